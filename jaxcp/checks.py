@@ -1,0 +1,114 @@
+"""Argument checks of the public ops: every bad input gets a ValueError/TypeError naming it."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+CHUNK_SIZES = (16, 32, 64, 128)
+CP_STRATEGIES = ("allgather", "all_to_all", "relay")
+BACKENDS = (None, "xla", "pallas", "interpret")
+OPERAND_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _check_array(name: str, x, ndim: int) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if not any(x.dtype == d for d in OPERAND_DTYPES):
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _concrete(x) -> np.ndarray | None:
+    """The value of x if it is known at trace time, else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def axis_size_or_raise(cp_axis: str) -> int:
+    """Size of the manual mesh axis cp_axis; ValueError when it is not bound."""
+    if not isinstance(cp_axis, str):
+        raise TypeError(f"cp_axis must be a mesh axis name (str) or None, got {cp_axis!r}")
+    try:
+        return lax.axis_size(cp_axis)
+    except NameError:
+        raise ValueError(
+            f"cp_axis={cp_axis!r} is not a bound mesh axis: call the op inside jax.shard_map "
+            f"over a mesh with the axis {cp_axis!r} manual") from None
+
+
+def check_inputs(kind: str, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
+                 cp_strategy, chunk_size, backend) -> int:
+    """Validate a call of chunk_gated_delta_rule (kind "gdn") or chunk_kda ("kda").
+    Returns the number of devices on cp_axis (1 without CP)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x, 4)
+    _check_array("beta", beta, 3)
+    _check_array("g", g, 3 if kind == "gdn" else 4)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T}; got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"v's head count HV = {HV} must be a multiple of q/k's H = {H}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"q/k head dim K = {K} must be one of {HEAD_DIMS}")
+    if V not in HEAD_DIMS:
+        raise ValueError(f"v head dim V = {V} must be one of {HEAD_DIMS}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
+    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    if g.shape != g_shape:
+        raise ValueError(f"g must have shape {g_shape} ({'[B, T, HV]' if kind == 'gdn' else '[B, T, HV, K]'}),"
+                         f" got {tuple(g.shape)}")
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if cp_strategy not in CP_STRATEGIES:
+        raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
+
+    world = 1 if cp_axis is None else axis_size_or_raise(cp_axis)
+    if cp_axis is not None and cp_strategy == "all_to_all" and H % world:
+        raise ValueError(f"cp_strategy='all_to_all' splits heads over cp_axis {cp_axis!r} of size "
+                         f"{world}: q/k's H = {H} must be divisible by it")
+
+    if cu_seqlens is None:
+        n_seqs = B
+    else:
+        if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise TypeError(f"cu_seqlens must be an integer array, got "
+                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B = {B}")
+        n_seqs = cu_seqlens.shape[0] - 1
+        values = _concrete(cu_seqlens)
+        total = T * world
+        if values is not None:
+            if values[0] != 0 or values[-1] != total:
+                raise ValueError(f"cu_seqlens must start at 0 and end at the total length {total}"
+                                 f"{' (T_local x cp size)' if world > 1 else ''}, got "
+                                 f"[{values[0]}, ..., {values[-1]}]")
+            if np.any(np.diff(values) <= 0):
+                raise ValueError("cu_seqlens must be strictly increasing (no empty sequences)")
+
+    if initial_state is not None:
+        if not hasattr(initial_state, "shape") or not jnp.issubdtype(initial_state.dtype, jnp.floating):
+            raise TypeError("initial_state must be a floating-point jax array [N, HV, K, V]")
+        if tuple(initial_state.shape) != (n_seqs, HV, K, V):
+            raise ValueError(f"initial_state must have shape {(n_seqs, HV, K, V)} "
+                             f"([N, HV, K, V], N = number of sequences), got "
+                             f"{tuple(initial_state.shape)}")
+    return world

@@ -1,0 +1,127 @@
+"""The chunked delta rule as one custom_vjp, with the cross-device step inside it.
+
+Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V],
+g [NT, B, HV, C, Kg], beta [NT, B, HV, C], all float32; initial states [N, HV, K, V] or None.
+
+Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
+          all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
+Backward: recompute the intra-chunk terms and the chunk states from the saved entry state
+          (nothing per chunk is stored), get the cotangent of this device's exit state
+          (CP: local dS_ext, all-gather with M, suffix merge; or the relay), reverse state
+          recurrence, then the vjp of the intra-chunk terms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcp.cp.merge import merge_prefix, merge_suffix
+from jaxcp.layout import ChunkLayout
+from jaxcp.vma import match_cotangent, vary_like
+from jaxcp.xla import (ChunkTerms, chunk_output, chunk_output_bwd, cp_summary, final_states,
+                       intra_chunk, state_bwd, state_fwd, state_last)
+from jaxcp.xla.intra import einsum
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all is
+    handled outside the core, see ``cp.all_to_all``)."""
+    scale: float
+    output_final_state: bool
+    cp_axis: str | None = None
+    cp_strategy: str = "allgather"
+
+
+def _zero_state(terms: ChunkTerms) -> jax.Array:
+    B, HV, _, K = terms.w.shape[1:]
+    return vary_like(jnp.zeros((B, HV, K, terms.u.shape[-1]), jnp.float32), terms.w)
+
+
+def _shift(axis: str, x: jax.Array, step: int) -> jax.Array:
+    """Send x from device r to device r + step (devices with no sender get zeros)."""
+    W = lax.axis_size(axis)
+    perm = [(i, i + step) for i in range(W) if 0 <= i + step < W]
+    return lax.ppermute(x, axis, perm)
+
+
+def _entry_state(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, init):
+    """State entering this device's first chunk, and the device's transition M (allgather)."""
+    zero = _zero_state(terms)
+    if cfg.cp_axis is None:
+        return zero, None
+    axis = cfg.cp_axis
+    if cfg.cp_strategy == "allgather":
+        ext, m = cp_summary(terms, layout, init)
+        ext_all, m_all = lax.all_gather((ext, m), axis)
+        return merge_prefix(ext_all, m_all, lax.axis_index(axis)), m
+    relay = lambda _, s_in: _shift(axis, state_last(terms, layout, init, s_in), +1)
+    return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero), None
+
+
+def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do, d_final, m):
+    """Cotangent of the state leaving this device's last chunk, from the devices after it."""
+    zero = _zero_state(terms)
+    if cfg.cp_axis is None:
+        return zero
+    axis = cfg.cp_axis
+    entry_grad = lambda d_last: state_bwd(terms, layout, do, d_final, d_last, entry_only=True)
+    if cfg.cp_strategy == "allgather":
+        d_ext_all, m_all = lax.all_gather((entry_grad(zero), m), axis)
+        return merge_suffix(d_ext_all, m_all, lax.axis_index(axis))
+    relay = lambda _, d_last: _shift(axis, entry_grad(d_last), -1)
+    return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero)
+
+
+def _forward(cfg, q, k, v, g, beta, init, layout):
+    terms = intra_chunk(q, k, v, g, beta, cfg.scale)
+    s_in, m = _entry_state(cfg, terms, layout, init)
+    h, v_new, _ = state_fwd(terms, layout, init, s_in)
+    o = chunk_output(terms.qg, terms.attn, h, v_new)
+    finals = final_states(terms, layout, h, v_new) if cfg.output_final_state else None
+    return (o, finals), (q, k, v, g, beta, init, layout, s_in, m)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layout: ChunkLayout):
+    """o [NT, B, HV, C, V] and the final states [N, HV, K, V] of the sequences that end on this
+    device, zero for the others (None unless cfg.output_final_state); under CP the caller sums
+    them over the axis, outside this vjp, so that JAX transposes the sum for either setting
+    of shard_map's check_vma."""
+    return _forward(cfg, q, k, v, g, beta, init, layout)[0]
+
+
+def _backward(cfg, res, cts):
+    q, k, v, g, beta, init, layout, s_in, m = res
+    do, d_final = cts
+    terms, intra_vjp = jax.vjp(partial(intra_chunk, scale=cfg.scale), q, k, v, g, beta)
+    h, v_new, _ = state_fwd(terms, layout, init, s_in)
+    d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
+    _, dh_starts, x, dvn = state_bwd(terms, layout, do, d_final, d_last)
+
+    d_decay = jnp.sum(h * x, axis=-1)
+    if terms.decay.shape[-1] == 1:
+        d_decay = jnp.sum(d_decay, axis=-1, keepdims=True)
+    d_qg, d_attn = chunk_output_bwd(do, h, v_new)
+    d_terms = ChunkTerms(
+        w=-einsum("...cv,...kv->...ck", dvn, h),
+        u=dvn,
+        qg=d_qg,
+        kd=einsum("...cv,...kv->...ck", v_new, x),
+        decay=d_decay,
+        attn=d_attn,
+    )
+    dq, dk, dv, dg, dbeta = intra_vjp(d_terms)
+    d_init = None
+    if init is not None:
+        flat = dh_starts.reshape(-1, *dh_starts.shape[2:])
+        d_init = jax.ops.segment_sum(flat, layout.chunk_seq.reshape(-1), init.shape[0])
+        d_init = match_cotangent(d_init, init)
+    return dq, dk, dv, dg, dbeta, d_init, None
+
+
+chunk_delta_rule.defvjp(_forward, _backward)

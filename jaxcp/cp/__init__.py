@@ -1,0 +1,1 @@
+"""What talks across devices: the prefix/suffix merges of the devices' affine state maps."""

@@ -1,0 +1,12 @@
+"""L2 normalisation of q/k over the head dimension (FLA's ``use_qk_l2norm_in_kernel``)."""
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+L2NORM_EPS = 1e-6
+
+
+def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """x / sqrt(sum(x^2, -1) + eps), computed in float32; the shape of x is kept."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -1,0 +1,133 @@
+"""Chunk layout of a device's tokens: packed sequences become whole chunks, inside jit.
+
+Every chunk of C tokens holds tokens of one sequence only. A sequence's local part (its
+tokens on this device) starts a new chunk and its last chunk is padded with zero tokens
+(k = v = q = 0, beta = 0, g = 0), which leave the state unchanged. The transition of a chunk
+that holds a sequence's first token is a reset: the state entering it is that sequence's
+initial state, whatever came before. A device's first chunk continues the state of the
+device before it unless a sequence starts exactly at the device's first token.
+
+All of it is computed from ``cu_seqlens`` with jnp ops: no host round trip, and new values
+with the same number of sequences N reuse the compiled program. The number of chunks is
+static: a device with T_local tokens and at most m = min(N, T_local) local sequences needs
+at most (T_local + m (C - 1)) // C chunks; unused tail chunks are all padding.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ChunkLayout(NamedTuple):
+    """Per-chunk sequence bookkeeping, chunks on axis 0 and the batch on axis 1.
+
+    chunk_seq [NT, B] int32: sequence index (into initial/final states) of each chunk.
+    chunk_starts [NT, B] bool: the chunk holds its sequence's first token (a reset).
+    chunk_ends [NT, B] bool: the chunk holds its sequence's last token.
+    seq_last_chunk [N] int32: flat index (chunk * B + batch) of each sequence's last chunk here.
+    seq_ends_here [N] bool: the sequence's last token is on this device.
+    """
+    chunk_seq: jax.Array
+    chunk_starts: jax.Array
+    chunk_ends: jax.Array
+    seq_last_chunk: jax.Array
+    seq_ends_here: jax.Array
+
+
+class TokenMap(NamedTuple):
+    """Where tokens go in the padded chunk stream (varlen only).
+
+    slot_token [NT * C] int32: local token in each padded slot, -1 for padding.
+    token_slot [T_local] int32: padded slot of each local token.
+    """
+    slot_token: jax.Array
+    token_slot: jax.Array
+
+
+def num_chunks(t_local: int, chunk_size: int, num_seqs: int | None) -> int:
+    """Static number of chunks for a device of t_local tokens (num_seqs None: no varlen)."""
+    if num_seqs is None:
+        return -(-t_local // chunk_size)
+    return (t_local + min(num_seqs, t_local) * (chunk_size - 1)) // chunk_size
+
+
+def build_layout(batch: int, t_local: int, chunk_size: int, cu_seqlens: jax.Array | None,
+                 device_start: jax.Array | int, total: int) -> tuple[ChunkLayout, TokenMap | None]:
+    """Layout of the tokens [device_start, device_start + t_local) of a stream of `total`
+    tokens; cu_seqlens (global offsets, B == 1) or None (each batch row one sequence)."""
+    C = chunk_size
+    if cu_seqlens is None:
+        NT = num_chunks(t_local, C, None)
+        c = jnp.arange(NT)[:, None]
+        last = (t_local - 1) // C
+        starts_here = jnp.asarray(device_start == 0)
+        ends_here = jnp.asarray(device_start + t_local == total)
+        layout = ChunkLayout(
+            chunk_seq=jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[None], (NT, batch)),
+            chunk_starts=(c == 0) & starts_here,
+            chunk_ends=(c == last) & ends_here,
+            seq_last_chunk=(last * batch + jnp.arange(batch)).astype(jnp.int32),
+            seq_ends_here=jnp.broadcast_to(ends_here, (batch,)),
+        )
+        return layout, None
+
+    cu = cu_seqlens.astype(jnp.int32)
+    N = cu.shape[0] - 1
+    NT = num_chunks(t_local, C, N)
+    local_start = jnp.clip(cu[:-1] - device_start, 0, t_local)
+    local_end = jnp.clip(cu[1:] - device_start, 0, t_local)
+    length = local_end - local_start
+    chunks = (length + C - 1) // C
+    chunk_end = jnp.cumsum(chunks)
+    chunk_begin = chunk_end - chunks
+    begins_here = (local_start + device_start == cu[:-1]) & (length > 0)
+    ends_here = (local_end + device_start == cu[1:]) & (length > 0)
+
+    c = jnp.arange(NT)
+    seq = jnp.searchsorted(chunk_end, c, side="right")
+    used = seq < N
+    seq = jnp.minimum(seq, N - 1).astype(jnp.int32)
+    layout = ChunkLayout(
+        chunk_seq=seq[:, None],
+        chunk_starts=(used & (c == chunk_begin[seq]) & begins_here[seq])[:, None],
+        chunk_ends=(used & (c == chunk_end[seq] - 1) & ends_here[seq])[:, None],
+        seq_last_chunk=jnp.maximum(chunk_end - 1, 0).astype(jnp.int32),
+        seq_ends_here=ends_here,
+    )
+
+    slot = jnp.arange(NT * C)
+    slot_seq = seq[slot // C]
+    offset = slot - chunk_begin[slot_seq] * C
+    valid = used[slot // C] & (offset < length[slot_seq])
+    t = jnp.arange(t_local)
+    token_seq = jnp.searchsorted(cu[1:], device_start + t, side="right")
+    token_map = TokenMap(
+        slot_token=jnp.where(valid, local_start[slot_seq] + offset, -1).astype(jnp.int32),
+        token_slot=(chunk_begin[token_seq] * C + t - local_start[token_seq]).astype(jnp.int32),
+    )
+    return layout, token_map
+
+
+def to_chunks(x: jax.Array, token_map: TokenMap | None, n_chunks: int, chunk_size: int) -> jax.Array:
+    """[B, T_local, HV, *tail] -> [NT, B, HV, C, *tail], padding slots zero."""
+    B, T = x.shape[:2]
+    if token_map is None:
+        x = jnp.pad(x, [(0, 0), (0, n_chunks * chunk_size - T)] + [(0, 0)] * (x.ndim - 2))
+    else:
+        src = token_map.slot_token
+        valid = (src >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
+        x = jnp.where(valid, jnp.take(x, jnp.maximum(src, 0), axis=1), 0)
+    x = x.reshape(B, n_chunks, chunk_size, *x.shape[2:])
+    return jnp.moveaxis(x, (1, 3), (0, 2))
+
+
+def from_chunks(y: jax.Array, token_map: TokenMap | None, t_local: int) -> jax.Array:
+    """[NT, B, HV, C, *tail] -> [B, T_local, HV, *tail] (inverse of to_chunks on real tokens)."""
+    y = jnp.moveaxis(y, (0, 2), (1, 3))
+    B, NT, C = y.shape[:3]
+    y = y.reshape(B, NT * C, *y.shape[3:])
+    if token_map is None:
+        return y[:, :t_local]
+    return jnp.take(y, token_map.token_slot, axis=1)

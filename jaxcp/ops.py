@@ -1,0 +1,149 @@
+"""Public ops: chunked Gated DeltaNet and Kimi Delta Attention, with context parallelism."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcp.checks import check_inputs
+from jaxcp.core import CoreConfig, chunk_delta_rule
+from jaxcp.l2norm import l2_normalize
+from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
+
+
+def resolve_backend(backend: str | None) -> str:
+    """None picks the fastest backend available on the default device."""
+    if backend is None:
+        return "xla"
+    if backend in ("pallas", "interpret"):
+        raise ValueError(f"backend={backend!r}: the Pallas kernels are not part of this build; "
+                         f"use backend='xla' or None")
+    return backend
+
+
+def _head_all_to_all(kind, q, k, v, g, beta, *, initial_state, cp_axis, **kw):
+    """CP by heads: all-to-all from sequence shards to head shards, the whole sequence per
+    device for H / W heads, and back."""
+    W = lax.axis_size(cp_axis)
+    rank = lax.axis_index(cp_axis)
+    to_heads = lambda x: lax.all_to_all(x, cp_axis, 2, 1, tiled=True)
+    q, k, v, g, beta = map(to_heads, (q, k, v, g, beta))
+    if initial_state is not None:
+        hv = initial_state.shape[1] // W
+        initial_state = lax.dynamic_slice_in_dim(initial_state, rank * hv, hv, axis=1)
+    o, final = _chunk_op(kind, q, k, v, g, beta, initial_state=initial_state, cp_axis=None,
+                         cp_strategy="allgather", **kw)
+    o = lax.all_to_all(o, cp_axis, 1, 2, tiled=True)
+    if final is not None:
+        placed = jnp.zeros(final.shape[:1] + (final.shape[1] * W,) + final.shape[2:], final.dtype)
+        final = lax.psum(lax.dynamic_update_slice_in_dim(placed, final, rank * final.shape[1], 1),
+                         cp_axis)
+    return o, final
+
+
+def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+              use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend):
+    world = check_inputs(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
+                         chunk_size=chunk_size, backend=backend)
+    resolve_backend(backend)
+    if cp_axis is not None and cp_strategy == "all_to_all":
+        return _head_all_to_all(kind, q, k, v, g, beta, initial_state=initial_state,
+                                cp_axis=cp_axis, scale=scale,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                chunk_size=chunk_size, backend=backend)
+
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    scale = K ** -0.5 if scale is None else float(scale)
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k = f32(q), f32(k)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q, k = (jnp.repeat(x, HV // H, axis=2) for x in (q, k))
+    g = f32(g) if kind == "kda" else f32(g)[..., None]
+
+    device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
+    n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    layout, token_map = build_layout(B, T, chunk_size, cu_seqlens, device_start, T * world)
+    NT = num_chunks(T, chunk_size, n_seqs)
+    chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
+    init = None if initial_state is None else f32(initial_state)
+    cfg = CoreConfig(scale=scale, output_final_state=output_final_state, cp_axis=cp_axis,
+                     cp_strategy=cp_strategy)
+    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(f32(v)), chunk(g),
+                                chunk(f32(beta)), init, layout)
+    if final is not None and cp_axis is not None:
+        final = lax.psum(final, cp_axis)
+    return from_chunks(o, token_map, T).astype(v.dtype), final
+
+
+_DOC = """{title}
+
+    o, final_state = {name}(q, k, v, g, beta, *, scale=None, initial_state=None,
+        output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+        cp_axis=None, cp_strategy="allgather", chunk_size=64, backend=None)
+
+    Per value head and token t (the state S is [K, V], float32):
+        {decay}
+        v' = (v_t - S^T k_t) * beta_t;  S <- S + k_t v'^T;  o_t = S^T (scale * q_t)
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, HV, V] with HV % H == 0 (value head hv reads q/k head
+        hv // (HV // H)); g: {g_shape} natural-log decay (<= 0); beta: [B, T, HV].
+        float32, bfloat16 or float16; K, V in (16, 32, 64, 128, 256).
+      scale: multiplies q; defaults to K ** -0.5.
+      initial_state: [N, HV, K, V], one state per sequence (N = B, or the number of
+        sequences in cu_seqlens); cast to float32.
+      output_final_state: also return the state after each sequence's last token.
+      cu_seqlens: int [N + 1] global offsets of packed sequences (B must be 1), strictly
+        increasing from 0 to the total length. Traced values are fine: changing them
+        does not re-trace.
+      use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
+      cp_axis: name of a manual mesh axis of an enclosing jax.shard_map. q, k, v, g, beta
+        are then this device's contiguous slice of the sequence (device r holds tokens
+        [r * T, (r + 1) * T)); cu_seqlens, initial_state and final_state are global and
+        replicated. Results equal those of the single-device call.
+      cp_strategy: "allgather" (each device summarises its shard as an affine state map,
+        one all-gather, a prefix merge), "all_to_all" (heads split over the axis; H must
+        divide by its size) or "relay" (sequential hand-off of the state, a baseline).
+      chunk_size: tokens per chunk, one of (16, 32, 64, 128).
+      backend: None (auto), "xla", "pallas" or "interpret".
+
+    Returns:
+      o [B, T, HV, V] in v's dtype, and final_state [N, HV, K, V] float32 or None.
+    """
+
+
+def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                           beta: jax.Array, *, scale: float | None = None,
+                           initial_state: jax.Array | None = None,
+                           output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
+                           use_qk_l2norm_in_kernel: bool = False, cp_axis: str | None = None,
+                           cp_strategy: str = "allgather", chunk_size: int = 64,
+                           backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+    return _chunk_op("gdn", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
+                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
+
+
+def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+              scale: float | None = None, initial_state: jax.Array | None = None,
+              output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
+              use_qk_l2norm_in_kernel: bool = False, cp_axis: str | None = None,
+              cp_strategy: str = "allgather", chunk_size: int = 64,
+              backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+    return _chunk_op("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
+                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
+
+
+chunk_gated_delta_rule.__doc__ = _DOC.format(
+    title="Chunked Gated DeltaNet (scalar gate per head and token).",
+    name="chunk_gated_delta_rule", decay="S <- S * exp(g_t)", g_shape="[B, T, HV]")
+chunk_kda.__doc__ = _DOC.format(
+    title="Chunked Kimi Delta Attention (per-channel gate).", name="chunk_kda",
+    decay="S <- Diag(exp(g_t)) S   (row d of S scaled by exp(g_t[d]))", g_shape="[B, T, HV, K]")

@@ -1,0 +1,35 @@
+"""Keeping ``shard_map``'s varying-manual-axes (vma) types consistent inside jaxcp.
+
+Under ``shard_map(check_vma=True)`` a value created inside the body (a zero state, say) is
+invariant across the manual axes while the data is varying; scan carries and custom_vjp
+cotangents must agree. Under ``check_vma=False`` every value reports no varying axes and these
+helpers do nothing.
+"""
+import jax
+from jax import lax
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes over which x varies (empty outside shard_map)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset() if mat is None else frozenset(mat.varying)
+
+
+def vary_like(x, ref: jax.Array):
+    """Cast every leaf of x to vary over the axes ref varies over and it does not."""
+    want = varying_axes(ref)
+
+    def one(leaf):
+        missing = tuple(sorted(want - varying_axes(leaf)))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(one, x)
+
+
+def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Give a cotangent the vma type of its primal: sum over axes the primal is invariant on,
+    broadcast over axes it varies on."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    if extra:
+        ct = lax.psum(ct, extra)
+    return vary_like(ct, primal)
