@@ -13,11 +13,11 @@ BACKENDS = (None, "xla", "pallas", "interpret")
 OPERAND_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _check_array(name: str, x, ndim: int) -> None:
+def _check_array(name: str, x, dims: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.ndim != dims.count(",") + 1:
+        raise ValueError(f"{name} must be {dims}, got shape {tuple(x.shape)}")
     if not any(x.dtype == d for d in OPERAND_DTYPES):
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
@@ -46,10 +46,10 @@ def check_inputs(kind: str, q, k, v, g, beta, *, scale, initial_state, cu_seqlen
                  cp_strategy, chunk_size, backend) -> int:
     """Validate a call of chunk_gated_delta_rule (kind "gdn") or chunk_kda ("kda").
     Returns the number of devices on cp_axis (1 without CP)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_array(name, x, 4)
-    _check_array("beta", beta, 3)
-    _check_array("g", g, 3 if kind == "gdn" else 4)
+    for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
+                          ("v", v, "[B, T, HV, V]"), ("beta", beta, "[B, T, HV]"),
+                          ("g", g, "[B, T, HV]" if kind == "gdn" else "[B, T, HV, K]")):
+        _check_array(name, x, dims)
     B, T, H, K = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
@@ -66,8 +66,7 @@ def check_inputs(kind: str, q, k, v, g, beta, *, scale, initial_state, cu_seqlen
         raise ValueError(f"beta must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
     g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
     if g.shape != g_shape:
-        raise ValueError(f"g must have shape {g_shape} ({'[B, T, HV]' if kind == 'gdn' else '[B, T, HV, K]'}),"
-                         f" got {tuple(g.shape)}")
+        raise ValueError(f"g must have shape {g_shape}, got {tuple(g.shape)}")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
     if chunk_size not in CHUNK_SIZES:

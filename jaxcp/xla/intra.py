@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
-SUBCHUNK = 16
+from jaxcp.vma import vary_like
+
 einsum = partial(jnp.einsum, precision=lax.Precision.HIGHEST)
 
 
@@ -55,40 +56,65 @@ def _causal_mask(n: int, inclusive: bool) -> jax.Array:
     return (i[:, None] >= i[None, :]) if inclusive else (i[:, None] > i[None, :])
 
 
+def _column(x, y_j, G, G_j, mask_j):
+    """E_ijd = exp(G_id - G_jd) on the rows i that see column j, else 0: [..., C, D]."""
+    return jnp.exp(jnp.where(mask_j[:, None], G - G_j[..., None, :], -jnp.inf))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _channel_gated_inner(x, y, G, inclusive):
+    """Per-channel gate, one column j at a time so that no [C, C, D] tensor exists, in the
+    forward or the backward: P[:, j] = sum_d x_d y_jd exp(G_d - G_jd), masked."""
+    mask = _causal_mask(x.shape[-2], inclusive)
+
+    def column(j, out):
+        e = _column(x, y[..., j, :], G, G[..., j, :], mask[:, j])
+        col = einsum("...id,...d->...i", x * e, y[..., j, :])
+        return out.at[..., j].set(col)
+
+    out = jnp.zeros(x.shape[:-1] + (x.shape[-2],), x.dtype)
+    return lax.fori_loop(0, x.shape[-2], column, vary_like(out, x))
+
+
+def _channel_gated_inner_fwd(x, y, G, inclusive):
+    return _channel_gated_inner(x, y, G, inclusive), (x, y, G)
+
+
+def _channel_gated_inner_bwd(inclusive, res, ct):
+    x, y, G = res
+    mask = _causal_mask(x.shape[-2], inclusive)
+
+    def column(j, grads):
+        dx, dy, dG = grads
+        y_j, ct_j = y[..., j, :], ct[..., :, j]
+        e = _column(x, y_j, G, G[..., j, :], mask[:, j])
+        ce = ct_j[..., None] * e                                  # [..., C, D]
+        dx = dx + ce * y_j[..., None, :]
+        dy = dy.at[..., j, :].set(jnp.sum(ce * x, axis=-2))
+        t = ce * x * y_j[..., None, :]
+        dG = (dG + t).at[..., j, :].add(-jnp.sum(t, axis=-2))
+        return dx, dy, dG
+
+    zeros = (jnp.zeros_like(x), jnp.zeros_like(y), jnp.zeros_like(G))
+    return lax.fori_loop(0, x.shape[-2], column, vary_like(zeros, ct))
+
+
+_channel_gated_inner.defvjp(_channel_gated_inner_fwd, _channel_gated_inner_bwd)
+
+
 def gated_inner(x: jax.Array, y: jax.Array, G: jax.Array, *, inclusive: bool) -> jax.Array:
     """P_ij = sum_d x_id y_jd exp(G_id - G_jd) for j < i (j <= i if inclusive), else 0.
 
-    x, y [..., C, D]; G [..., C, Kg] non-increasing along C (log decays are <= 0).
-    Scalar gate (Kg = 1): (x y^T) * exp(G_i - G_j). Per-channel gate: blocks of 16 tokens;
-    diagonal blocks exactly, block (I, J < I) factored through the gate at the end of block
-    I - 1, so every exponent is <= 0 and nothing overflows.
+    x, y [..., C, D]; G [..., C, Kg]. Only differences G_i - G_j with j before i are
+    exponentiated, so decays (g <= 0) never overflow. Scalar gate (Kg = 1):
+    (x y^T) * exp(G_i - G_j). Per-channel gate: column by column.
     """
-    C, D = x.shape[-2], x.shape[-1]
     if G.shape[-1] == 1:
         Gs = G[..., 0]
-        mask = _causal_mask(C, inclusive)
+        mask = _causal_mask(x.shape[-2], inclusive)
         decay = jnp.exp(jnp.where(mask, Gs[..., :, None] - Gs[..., None, :], -jnp.inf))
         return einsum("...id,...jd->...ij", x, y) * decay
-
-    S = min(SUBCHUNK, C)
-    NB = C // S
-    batch = x.shape[:-2]
-    xb = x.reshape(*batch, NB, S, D)
-    yb = y.reshape(*batch, NB, S, D)
-    Gb = G.reshape(*batch, NB, S, D)
-
-    mask = _causal_mask(S, inclusive)[..., None]
-    within = jnp.exp(jnp.where(mask, Gb[..., :, None, :] - Gb[..., None, :, :], -jnp.inf))
-    diag = einsum("...id,...jd,...ijd->...ij", xb, yb, within)          # [..., NB, S, S]
-    full = einsum("...Iij,IJ->...IiJj", diag, jnp.eye(NB, dtype=x.dtype))
-    if NB > 1:
-        ref = jnp.concatenate([Gb[..., :1, 0, :], Gb[..., :-1, -1, :]], axis=-2)  # [..., NB, D]
-        left = xb * jnp.exp(Gb - ref[..., :, None, :])                  # [..., NB(I), S, D]
-        before = _causal_mask(NB, inclusive=False)[:, :, None, None]    # J < I
-        right = yb[..., None, :, :, :] * jnp.exp(jnp.where(
-            before, ref[..., :, None, None, :] - Gb[..., None, :, :, :], -jnp.inf))
-        full = full + einsum("...Iid,...IJjd->...IiJj", left, right)
-    return full.reshape(*batch, C, C)
+    return _channel_gated_inner(x, y, G, inclusive)
 
 
 def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,

@@ -1,0 +1,78 @@
+"""Inputs, error measures and losses shared by the tests."""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jaxcp
+
+OPS = {"gdn": (jaxcp.chunk_gated_delta_rule, jaxcp.gated_delta_rule_reference),
+       "kda": (jaxcp.chunk_kda, jaxcp.kda_reference)}
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def make_inputs(kind: str, B: int, T: int, H: int, HV: int, K: int, V: int, *, dtype=jnp.float32,
+                n_states: int | None = None, seed: int = 0):
+    """Random non-zero q, k, v, g (logsigmoid of normals: decays in (0, 1)), beta, and initial
+    states [n_states, HV, K, V] (None if n_states is None)."""
+    rng = np.random.default_rng(seed)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    g = jax.nn.log_sigmoid(r(B, T, HV) if kind == "gdn" else r(B, T, HV, K) + 2.0)
+    beta = jax.nn.sigmoid(r(B, T, HV))
+    h0 = None if n_states is None else r(n_states, HV, K, V)
+    return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def assert_rel(out, ref, tol: float, what: str = "") -> None:
+    err = rel_err(out, ref)
+    assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e}"
+
+
+def cotangents(o_shape, f_shape, seed: int = 1):
+    """Random cotangents for the output and the final state."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(o_shape), jnp.float32),
+            jnp.asarray(rng.standard_normal(f_shape), jnp.float32))
+
+
+def loss_of(fn, wo, wf, **kw):
+    """L(q, k, v, g, beta, h0) = <o, wo> + <final_state, wf>."""
+    def loss(q, k, v, g, beta, h0):
+        o, final = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(final * wf)
+    return loss
+
+
+def value_and_grads(fn, args, wo, wf, **kw):
+    """(o, final_state) and the gradients w.r.t. q, k, v, g, beta and h0."""
+    out = fn(*args[:5], initial_state=args[5], output_final_state=True, **kw)
+    grads = jax.grad(loss_of(fn, wo, wf, **kw), argnums=tuple(range(6)))(*args)
+    return out, grads
+
+
+def cp_call(op, mesh, axis: str, *, check_vma: bool = True, **kw):
+    """op under jax.jit + shard_map, the sequence dimension split over `axis`."""
+    seq, rep = P(None, axis), P()
+
+    def body(q, k, v, g, beta, h0):
+        return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cp_axis=axis, **kw)
+
+    def call(q, k, v, g, beta, *, initial_state, output_final_state):
+        f = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5 + (rep,), out_specs=(seq, rep),
+                          check_vma=check_vma)
+        return f(q, k, v, g, beta, initial_state)
+
+    return call

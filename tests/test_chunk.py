@@ -1,0 +1,106 @@
+"""The chunked XLA path against the token reference: outputs, final states, gradients."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxcp
+from helpers import OPS, TOL, assert_rel, cotangents, make_inputs, value_and_grads
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+# (B, T, H, HV, K, V, l2norm, chunk_size)
+SHAPES = [
+    (2, 150, 2, 4, 16, 32, True, 64),    # GVA, T not a multiple of the chunk
+    (1, 64, 1, 1, 32, 16, False, 64),    # exactly one chunk
+    (1, 77, 2, 2, 64, 64, True, 32),
+    (1, 33, 1, 2, 16, 128, True, 16),
+]
+
+
+def check_against_reference(kind, args, dtype, **kw):
+    op, ref = OPS[kind]
+    B, T, HV, V = args[2].shape
+    wo, wf = cotangents((B, T, HV, V), args[5].shape)
+    (o, final), grads = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, **kw))(*args)
+    ref_args = tuple(x.astype(jnp.float32) for x in args)
+    (o_ref, final_ref), grads_ref = value_and_grads(ref, ref_args, wo, wf,
+                                                    **{k: v for k, v in kw.items() if k != "chunk_size"})
+    tol = TOL[dtype]
+    assert o.dtype == dtype
+    assert_rel(o, o_ref, tol, "o")
+    assert_rel(final, final_ref, tol, "final state")
+    for name, gr, gr_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert gr.shape == gr_ref.shape
+        assert_rel(gr, gr_ref, tol, name)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}HV{}K{}V{}l2{}C{}".format(*s))
+def test_chunk_matches_reference_fp32(kind, shape):
+    B, T, H, HV, K, V, l2, C = shape
+    args = make_inputs(kind, B, T, H, HV, K, V, n_states=B)
+    check_against_reference(kind, args, jnp.float32, use_qk_l2norm_in_kernel=l2, chunk_size=C)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_chunk_matches_reference_bf16(kind):
+    args = make_inputs(kind, 2, 100, 2, 4, 32, 32, dtype=jnp.bfloat16, n_states=2)
+    args = args[:5] + (args[5],)
+    check_against_reference(kind, args, jnp.bfloat16, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_chunk_varlen_matches_reference(kind):
+    cu = jnp.asarray([0, 1, 64, 65, 100, 192, 193, 250], jnp.int32)   # 1-token sequences,
+    args = make_inputs(kind, 1, 250, 2, 2, 16, 32, n_states=7)       # boundaries on chunk starts
+    check_against_reference(kind, args, jnp.float32, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_custom_scale_and_no_state(kind):
+    op, ref = OPS[kind]
+    q, k, v, g, beta, _ = make_inputs(kind, 1, 70, 1, 1, 16, 16)
+    o, final = op(q, k, v, g, beta, scale=0.3)
+    o_ref, _ = ref(q, k, v, g, beta, scale=0.3)
+    assert final is None
+    assert_rel(o, o_ref, 1e-4, "o")
+
+
+def test_varlen_values_do_not_retrace():
+    traces = []
+
+    @jax.jit
+    def run(q, k, v, g, beta, cu):
+        traces.append(1)
+        return jaxcp.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu,
+                                            output_final_state=True)
+
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 90, 1, 1, 16, 16)
+    for cu in ([0, 5, 70, 90], [0, 64, 65, 90], [0, 1, 2, 90]):
+        cu = jnp.asarray(cu, jnp.int32)
+        o, final = run(q, k, v, g, beta, cu)
+        o_ref, final_ref = jaxcp.gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu,
+                                                            output_final_state=True)
+        assert_rel(o, o_ref, 1e-4, "o")
+        assert_rel(final, final_ref, 1e-4, "final state")
+    assert len(traces) == 1
+
+
+def _grad_temp_bytes(kind, T, HV=1, K=128, V=128):
+    sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    g_shape = (1, T, HV) if kind == "gdn" else (1, T, HV, K)
+    op = OPS[kind][0]
+    loss = lambda *a: jnp.sum(op(*a)[0])
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(5))))
+    compiled = grad.lower(sd(1, T, HV, K), sd(1, T, HV, K), sd(1, T, HV, V), sd(*g_shape),
+                          sd(1, T, HV)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_memory_is_linear_and_has_no_per_token_state(kind):
+    T = 512
+    small, large = _grad_temp_bytes(kind, T), _grad_temp_bytes(kind, 2 * T)
+    per_token_state = 2 * T * 128 * 128 * 4
+    assert large / small < 2.1, (small, large)
+    assert large < 0.5 * per_token_state, (large, per_token_state)

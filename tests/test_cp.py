@@ -1,0 +1,82 @@
+"""Context parallelism on 2, 4 and 8 fake CPU devices == single device == token reference."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh
+
+from helpers import OPS, assert_rel, cotangents, cp_call, make_inputs, value_and_grads
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+# W -> (T_local, cu_seqlens). T_local is never a multiple of 64. Each layout has a 1-token
+# sequence, a boundary exactly on a device boundary, and sequences crossing 1, 2 and 3+ devices.
+LAYOUTS = {
+    2: (100, [0, 1, 100, 101, 150, 200]),
+    4: (40, [0, 1, 40, 45, 150, 151, 160]),
+    8: (40, [0, 1, 40, 45, 150, 151, 300, 320]),
+}
+
+
+def mesh_of(W):
+    return Mesh(np.array(jax.devices()[:W]), ("seq",))
+
+
+def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4):
+    op, ref = OPS[kind]
+    B, T, HV, V = args[2].shape
+    wo, wf = cotangents((B, T, HV, V), (args[5].shape))
+    kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    cp = cp_call(op, mesh_of(W), "seq", cp_strategy=strategy, check_vma=check_vma, **kw)
+    (o_cp, f_cp), g_cp = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))(*args)
+    (o_1, f_1), g_1 = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, **kw))(*args)
+    (o_r, f_r), g_r = value_and_grads(ref, args, wo, wf, **kw)
+    assert_rel(o_cp, o_1, tol, "o: CP vs single device")
+    assert_rel(f_cp, f_1, tol, "final state: CP vs single device")
+    assert_rel(o_cp, o_r, tol, "o: CP vs reference")
+    assert_rel(f_cp, f_r, tol, "final state: CP vs reference")
+    for name, a, b, r in zip(GRAD_NAMES, g_cp, g_1, g_r):
+        assert_rel(a, b, tol, f"{name}: CP vs single device")
+        assert_rel(a, r, tol, f"{name}: CP vs reference")
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
+@pytest.mark.parametrize("W", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cp_varlen(kind, W, strategy):
+    T_local, cu = LAYOUTS[W]
+    args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
+                       n_states=len(cu) - 1, seed=W)
+    compare(kind, W, strategy, args, jnp.asarray(cu, jnp.int32))
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "relay"])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cp_batched_without_varlen(kind, strategy):
+    """B = 2 rows, each one sequence spanning all 4 devices; check_vma off."""
+    args = make_inputs(kind, 2, 4 * 50, 2, 4, 32, 16, n_states=2)
+    compare(kind, 4, strategy, args, None, check_vma=False)
+
+
+def test_cp_bf16():
+    T_local, cu = LAYOUTS[4]
+    args = make_inputs("gdn", 1, 4 * T_local, 2, 2, 32, 32, dtype=jnp.bfloat16, n_states=len(cu) - 1)
+    args = args[:5] + (args[5],)
+    compare("gdn", 4, "allgather", tuple(x.astype(jnp.float32) if x.dtype == jnp.float32 else x
+                                         for x in args), jnp.asarray(cu, jnp.int32), tol=1e-2)
+
+
+def test_cp_without_initial_state_or_final_state():
+    op, _ = OPS["gdn"]
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 4 * 40, 1, 1, 16, 16)
+    cu = jnp.asarray(LAYOUTS[4][1], jnp.int32)
+    seq = jax.sharding.PartitionSpec(None, "seq")
+
+    def body(q, k, v, g, beta):
+        return op(q, k, v, g, beta, cu_seqlens=cu, cp_axis="seq")[0]
+
+    f = jax.shard_map(body, mesh=mesh_of(4), in_specs=(seq,) * 5, out_specs=seq)
+    o_cp = jax.jit(f)(q, k, v, g, beta)
+    o_1, final = op(q, k, v, g, beta, cu_seqlens=cu)
+    assert final is None
+    assert_rel(o_cp, o_1, 1e-4, "o")

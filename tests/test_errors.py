@@ -1,0 +1,94 @@
+"""Bad input raises ValueError / TypeError naming the argument."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxcp
+from helpers import make_inputs
+
+
+@pytest.fixture
+def gdn_args():
+    return make_inputs("gdn", 1, 32, 2, 4, 16, 16)[:5]
+
+
+def call(args, **kw):
+    return jaxcp.chunk_gated_delta_rule(*args, **kw)
+
+
+def replace(args, i, x):
+    return args[:i] + (x,) + args[i + 1:]
+
+
+@pytest.mark.parametrize("i,bad,exc,name", [
+    (0, jnp.zeros((1, 32, 2)), ValueError, "q"),
+    (1, jnp.zeros((1, 32, 2, 32)), ValueError, "k"),
+    (2, jnp.zeros((1, 31, 4, 16)), ValueError, "v"),
+    (2, jnp.zeros((1, 32, 3, 16)), ValueError, "HV"),
+    (2, jnp.zeros((1, 32, 4, 24)), ValueError, "V"),
+    (3, jnp.zeros((1, 32, 4, 16)), ValueError, "g"),
+    (4, jnp.zeros((1, 32, 2)), ValueError, "beta"),
+    (0, jnp.zeros((1, 32, 2, 16), jnp.int32), TypeError, "q"),
+    (3, np.zeros((1, 32, 4), np.float64).tolist(), TypeError, "g"),
+])
+def test_bad_arrays(gdn_args, i, bad, exc, name):
+    with pytest.raises(exc, match=name):
+        call(replace(gdn_args, i, bad))
+
+
+def test_kda_gate_must_be_per_channel():
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 32, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match=r"g must be \[B, T, HV, K\]"):
+        jaxcp.chunk_kda(q, k, v, g, beta)
+
+
+def test_head_dim_not_supported():
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 8, 1, 1, 16, 16)
+    q = k = jnp.zeros((1, 8, 1, 48))
+    with pytest.raises(ValueError, match="K = 48"):
+        call((q, k, v, g, beta))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(cu_seqlens=jnp.asarray([0, 10, 31], jnp.int32)), ValueError, "cu_seqlens .* end at"),
+    (dict(cu_seqlens=jnp.asarray([0, 10, 10, 32], jnp.int32)), ValueError, "strictly increasing"),
+    (dict(cu_seqlens=jnp.asarray([0.0, 32.0])), TypeError, "cu_seqlens"),
+    (dict(cu_seqlens=jnp.asarray([[0, 32]], jnp.int32)), ValueError, "cu_seqlens"),
+    (dict(initial_state=jnp.zeros((2, 4, 16, 16))), ValueError, "initial_state"),
+    (dict(initial_state=jnp.zeros((1, 4, 16, 16), jnp.int32)), TypeError, "initial_state"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(chunk_size=48), ValueError, "chunk_size"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(cp_strategy="ring"), ValueError, "cp_strategy"),
+    (dict(cp_axis="seq"), ValueError, "cp_axis='seq' is not a bound mesh axis"),
+    (dict(cp_axis=3), TypeError, "cp_axis"),
+])
+def test_bad_options(gdn_args, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        call(gdn_args, **kw)
+
+
+def test_cu_seqlens_needs_batch_one():
+    args = make_inputs("gdn", 2, 16, 1, 1, 16, 16)[:5]
+    with pytest.raises(ValueError, match="B == 1"):
+        call(args, cu_seqlens=jnp.asarray([0, 16], jnp.int32))
+
+
+def _in_shard_map(args, W, **kw):
+    mesh = Mesh(np.array(jax.devices()[:W]), ("seq",))
+    seq = P(None, "seq")
+    f = jax.shard_map(lambda *a: call(a, cp_axis="seq", **kw)[0], mesh=mesh,
+                      in_specs=(seq,) * 5, out_specs=seq)
+    return f(*args)
+
+
+def test_all_to_all_needs_divisible_heads(gdn_args):
+    with pytest.raises(ValueError, match="H = 2 must be divisible"):
+        _in_shard_map(gdn_args, 4, cp_strategy="all_to_all")
+
+
+def test_cp_cu_seqlens_end_is_global_length(gdn_args):
+    with pytest.raises(ValueError, match="total length 32"):
+        _in_shard_map(gdn_args, 2, cu_seqlens=jnp.asarray([0, 16], jnp.int32))
