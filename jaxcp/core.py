@@ -22,8 +22,8 @@ from jax import lax
 from jaxcp.cp.merge import merge_prefix, merge_suffix
 from jaxcp.layout import ChunkLayout
 from jaxcp.vma import match_cotangent, vary_like
-from jaxcp.xla import (ChunkTerms, chunk_output, chunk_output_bwd, cp_summary, final_states,
-                       intra_chunk, state_bwd, state_fwd, state_last)
+from jaxcp.stages import Stages, stages_for
+from jaxcp.xla import ChunkTerms, chunk_output, chunk_output_bwd, final_states, intra_chunk
 from jaxcp.xla.intra import einsum
 
 
@@ -35,6 +35,12 @@ class CoreConfig:
     output_final_state: bool
     cp_axis: str | None = None
     cp_strategy: str = "allgather"
+    backend: str = "xla"
+    dot_dtype: str = "float32"
+
+    @property
+    def stages(self) -> Stages:
+        return stages_for(self.backend, self.dot_dtype)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:
@@ -51,15 +57,16 @@ def _shift(axis: str, x: jax.Array, step: int) -> jax.Array:
 
 def _entry_state(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, init):
     """State entering this device's first chunk, and the device's transition M (allgather)."""
+    st = cfg.stages
     zero = _zero_state(terms)
     if cfg.cp_axis is None:
         return zero, None
     axis = cfg.cp_axis
     if cfg.cp_strategy == "allgather":
-        ext, m = cp_summary(terms, layout, init)
+        ext, m = st.cp_summary(terms, layout, init)
         ext_all, m_all = lax.all_gather((ext, m), axis)
         return merge_prefix(ext_all, m_all, lax.axis_index(axis)), m
-    relay = lambda _, s_in: _shift(axis, state_last(terms, layout, init, s_in), +1)
+    relay = lambda _, s_in: _shift(axis, st.state_last(terms, layout, init, s_in), +1)
     return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero), None
 
 
@@ -69,7 +76,8 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
     if cfg.cp_axis is None:
         return zero
     axis = cfg.cp_axis
-    entry_grad = lambda d_last: state_bwd(terms, layout, do, d_final, d_last, entry_only=True)
+    entry_grad = lambda d_last: cfg.stages.state_bwd(terms, layout, do, d_final, d_last,
+                                                     entry_only=True)
     if cfg.cp_strategy == "allgather":
         d_ext_all, m_all = lax.all_gather((entry_grad(zero), m), axis)
         return merge_suffix(d_ext_all, m_all, lax.axis_index(axis))
@@ -80,7 +88,7 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
 def _forward(cfg, q, k, v, g, beta, init, layout):
     terms = intra_chunk(q, k, v, g, beta, cfg.scale)
     s_in, m = _entry_state(cfg, terms, layout, init)
-    h, v_new, _ = state_fwd(terms, layout, init, s_in)
+    h, v_new, _ = cfg.stages.state_fwd(terms, layout, init, s_in)
     o = chunk_output(terms.qg, terms.attn, h, v_new)
     finals = final_states(terms, layout, h, v_new) if cfg.output_final_state else None
     return (o, finals), (q, k, v, g, beta, init, layout, s_in, m)
@@ -99,9 +107,9 @@ def _backward(cfg, res, cts):
     q, k, v, g, beta, init, layout, s_in, m = res
     do, d_final = cts
     terms, intra_vjp = jax.vjp(partial(intra_chunk, scale=cfg.scale), q, k, v, g, beta)
-    h, v_new, _ = state_fwd(terms, layout, init, s_in)
+    h, v_new, _ = cfg.stages.state_fwd(terms, layout, init, s_in)
     d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
-    _, dh_starts, x, dvn = state_bwd(terms, layout, do, d_final, d_last)
+    _, dh_starts, x, dvn = cfg.stages.state_bwd(terms, layout, do, d_final, d_last)
 
     d_decay = jnp.sum(h * x, axis=-1)
     if terms.decay.shape[-1] == 1:

@@ -12,13 +12,8 @@ from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 
 
 def resolve_backend(backend: str | None) -> str:
-    """None picks the fastest backend available on the default device."""
-    if backend is None:
-        return "xla"
-    if backend in ("pallas", "interpret"):
-        raise ValueError(f"backend={backend!r}: the Pallas kernels are not part of this build; "
-                         f"use backend='xla' or None")
-    return backend
+    """None picks "xla" (the Pallas path runs only its state recurrences as kernels so far)."""
+    return "xla" if backend is None else backend
 
 
 def _head_all_to_all(kind, q, k, v, g, beta, *, initial_state, cp_axis, **kw):
@@ -46,7 +41,6 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     world = check_inputs(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                          chunk_size=chunk_size, backend=backend)
-    resolve_backend(backend)
     if cp_axis is not None and cp_strategy == "all_to_all":
         return _head_all_to_all(kind, q, k, v, g, beta, initial_state=initial_state,
                                 cp_axis=cp_axis, scale=scale,
@@ -71,7 +65,8 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy)
+                     cp_strategy=cp_strategy, backend=resolve_backend(backend),
+                     dot_dtype="bfloat16" if v.dtype == jnp.bfloat16 else "float32")
     o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(f32(v)), chunk(g),
                                 chunk(f32(beta)), init, layout)
     if final is not None and cp_axis is not None:

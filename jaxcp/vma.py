@@ -33,3 +33,18 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     if extra:
         ct = lax.psum(ct, extra)
     return vary_like(ct, primal)
+
+
+def unify(args: list) -> tuple[list, object]:
+    """Cast all arrays in args to vary over the union of their varying axes, for a
+    pallas_call inside shard_map(check_vma=True). Returns the cast args and the manual axis
+    type to give the call's output ShapeDtypeStructs (None outside shard_map)."""
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    if not axes:
+        return args, None
+    cast = []
+    for a in args:
+        missing = tuple(sorted(axes - varying_axes(a)))
+        cast.append(lax.pcast(a, missing, to="varying") if missing else a)
+    mat = next(jax.typeof(a).manual_axis_type for a in cast)
+    return cast, mat

@@ -1,0 +1,232 @@
+"""Pallas (Triton-lowered) chunk state recurrences: the sequential part of the delta rule.
+
+Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis 0, then
+batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
+[NT, B, HV, Kg]; layout fields [NT, B]; states [B, HV, K, V] float32.
+
+One program per (batch, value head, block of BV state columns) runs a fori_loop over the
+chunks with its [K, BV] slice of the state in fp32 registers:
+
+    forward   S_c = init[seq_c] if starts_c else S;  v_new = u_c - w_c S_c
+              S   = decay_c * S_c + kd_c^T v_new
+    backward  X   = carry + [ends_c] dF[seq_c];  dvn = attn_c^T do_c + kd_c X
+              dh  = decay_c * X + qg_c^T do_c - w_c^T dvn;  carry = 0 if starts_c else dh
+
+Columns of the state are independent in both directions, so the BV blocks never talk.
+The CP summary runs the forward twice: from zero with u (S_ext), and from the identity with
+u = 0 (the transition M, K columns).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxcp.layout import ChunkLayout
+from jaxcp.vma import unify
+from jaxcp.xla.intra import ChunkTerms
+
+
+def _block_cols(n: int, k: int) -> int:
+    """State columns per program: 64, or 32 at K = 256 to stay inside shared memory."""
+    return min(n, 32 if k >= 256 else 64)
+
+
+def _params(interpret: bool, tile_bytes: int):
+    """Two pipeline stages unless the per-chunk tiles would not fit twice in shared memory
+    (H100: 227 KiB per block)."""
+    if interpret:
+        return {"interpret": True}
+    stages = 2 if tile_bytes <= 64 * 1024 else 1
+    return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=stages)}
+
+
+def _dot(a, b):
+    """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16."""
+    dtype = a.dtype if a.dtype == b.dtype else jnp.bfloat16
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _tiles(dtype, *xs):
+    """The per-chunk operands of the dots, in the dtype the dots run in."""
+    return [x.astype(dtype) for x in xs]
+
+
+def _decay(dec_ref, i, gdn: bool):
+    """exp(G_C) of chunk i as a column to scale rows of the state: [1, 1] or [K, 1]."""
+    if gdn:
+        return dec_ref[i]
+    return dec_ref[i, :][:, None]
+
+
+def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h):
+    it = iter(refs)
+    w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
+    u_ref = next(it) if has_u else None
+    init_ref = next(it) if has_init else None
+    h0_ref = next(it)
+    h_ref, vn_ref = (next(it), next(it)) if store_h else (None, None)
+    last_ref = next(it)
+
+    def body(i, state):
+        if has_init:
+            fresh = init_ref[seq_ref[i]]
+        else:
+            fresh = jnp.zeros_like(state)
+        state = jnp.where(starts_ref[i] != 0, fresh, state)
+        if store_h:
+            h_ref[i] = state.astype(h_ref.dtype)
+        w_s = _dot(w_ref[i], state)
+        v_new = u_ref[i] - w_s if has_u else -w_s
+        if store_h:
+            vn_ref[i] = v_new.astype(vn_ref.dtype)
+        return _decay(dec_ref, i, gdn) * state + _dot(kd_ref[i].T, v_new)
+
+    last_ref[...] = lax.fori_loop(0, nt, body, h0_ref[...].astype(jnp.float32))
+
+
+def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bool, store_h: bool,
+                 interpret: bool, dot_dtype):
+    """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
+    the transition with u = 0)."""
+    NT, B, HV, C, K = terms.w.shape
+    cols = h0.shape[-1]
+    BV = _block_cols(cols, K)
+    gdn = terms.decay.shape[-1] == 1
+    decay = terms.decay[..., 0] if gdn else terms.decay
+    has_init = init is not None
+    grid = (B, HV, cols // BV)
+    chunk_kd = pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0))
+    chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
+    per_chunk = pl.BlockSpec((NT, None), lambda b, h, j: (0, b))
+    dec_spec = (pl.BlockSpec((NT, None, None), lambda b, h, j: (0, b, h)) if gdn else
+                pl.BlockSpec((NT, None, None, K), lambda b, h, j: (0, b, h, 0)))
+    state_spec = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    in_specs = [chunk_kd, chunk_kd, dec_spec, per_chunk, per_chunk]
+    w, kd, u = _tiles(dot_dtype, terms.w, terms.kd, terms.u)
+    args = [w, kd, decay, layout.chunk_starts.astype(jnp.int32), layout.chunk_seq]
+    if u_cols:
+        in_specs.append(chunk_v)
+        args.append(u)
+    if has_init:
+        in_specs.append(pl.BlockSpec((init.shape[0], None, K, BV), lambda b, h, j: (0, h, 0, j)))
+        args.append(init)
+    in_specs.append(state_spec)
+    args.append(h0)
+    args, mat = unify(args)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=mat)
+    out_specs, out_shape = [], []
+    if store_h:
+        out_specs += [pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j)),
+                      chunk_v]
+        out_shape += [f32(NT, B, HV, K, cols), f32(NT, B, HV, C, cols)]
+    out_specs.append(state_spec)
+    out_shape.append(f32(B, HV, K, cols))
+    kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
+                     store_h=store_h)
+    tile_bytes = C * (2 * K + BV) * jnp.dtype(dot_dtype).itemsize
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, **_params(interpret, tile_bytes))(*args)
+
+
+def state_fwd(terms, layout, init, h0, *, interpret=False, dot_dtype=jnp.float32):
+    """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last)."""
+    return tuple(_run_forward(terms, layout, init, h0, u_cols=True, store_h=True,
+                              interpret=interpret, dot_dtype=dot_dtype))
+
+
+def state_last(terms, layout, init, h0, *, interpret=False, dot_dtype=jnp.float32):
+    """Twin of xla.state.state_last: the state after the last chunk."""
+    return _run_forward(terms, layout, init, h0, u_cols=True, store_h=False,
+                        interpret=interpret, dot_dtype=dot_dtype)[0]
+
+
+def cp_summary(terms, layout, init, *, interpret=False, dot_dtype=jnp.float32):
+    """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K])."""
+    _, B, HV, _, K = terms.w.shape
+    V = terms.u.shape[-1]
+    ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
+                     interpret=interpret, dot_dtype=dot_dtype)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
+    m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
+                     interpret=interpret, dot_dtype=jnp.float32)[0]
+    return ext, m
+
+
+def _bwd_kernel(*refs, nt, gdn, has_final, entry_only):
+    it = iter(refs)
+    w_ref, kd_ref, qg_ref, attn_ref, dec_ref, do_ref, starts_ref, ends_ref, seq_ref = (
+        next(it) for _ in range(9))
+    final_ref = next(it) if has_final else None
+    dlast_ref = next(it)
+    if entry_only:
+        entry_ref = next(it)
+    else:
+        dhs_ref, x_ref, dvn_ref, entry_ref = (next(it) for _ in range(4))
+
+    def body(step, carry):
+        i = nt - 1 - step
+        x = carry
+        if has_final:
+            x = x + jnp.where(ends_ref[i] != 0, final_ref[seq_ref[i]], 0.0)
+        do = do_ref[i]
+        dvn = _dot(attn_ref[i].T, do) + _dot(kd_ref[i], x)
+        dh = (_decay(dec_ref, i, gdn) * x + _dot(qg_ref[i].T, do)
+              - _dot(w_ref[i].T, dvn))
+        start = starts_ref[i] != 0
+        if not entry_only:
+            dhs_ref[i] = jnp.where(start, dh, 0.0)
+            x_ref[i] = x
+            dvn_ref[i] = dvn
+        return jnp.where(start, 0.0, dh)
+
+    entry_ref[...] = lax.fori_loop(0, nt, body, dlast_ref[...])
+
+
+def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
+              entry_only: bool = False, interpret: bool = False, dot_dtype=jnp.float32):
+    """Twin of xla.state.state_bwd: (d_entry, dh_starts, X, dvn), or d_entry alone."""
+    NT, B, HV, C, K = terms.w.shape
+    V = do.shape[-1]
+    BV = _block_cols(V, K)
+    gdn = terms.decay.shape[-1] == 1
+    decay = terms.decay[..., 0] if gdn else terms.decay
+    has_final = d_final is not None
+    chunk_kd = pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0))
+    chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
+    chunk_cc = pl.BlockSpec((NT, None, None, C, C), lambda b, h, j: (0, b, h, 0, 0))
+    per_chunk = pl.BlockSpec((NT, None), lambda b, h, j: (0, b))
+    dec_spec = (pl.BlockSpec((NT, None, None), lambda b, h, j: (0, b, h)) if gdn else
+                pl.BlockSpec((NT, None, None, K), lambda b, h, j: (0, b, h, 0)))
+    state_spec = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    chunk_state = pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j))
+    in_specs = [chunk_kd, chunk_kd, chunk_kd, chunk_cc, dec_spec, chunk_v, per_chunk, per_chunk,
+                per_chunk]
+    w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
+    args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
+            layout.chunk_ends.astype(jnp.int32), layout.chunk_seq]
+    if has_final:
+        in_specs.append(pl.BlockSpec((d_final.shape[0], None, K, BV), lambda b, h, j: (0, h, 0, j)))
+        args.append(d_final)
+    in_specs.append(state_spec)
+    args.append(d_last)
+    args, mat = unify(args)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=mat)
+    if entry_only:
+        out_specs, out_shape = state_spec, f32(B, HV, K, V)
+    else:
+        out_specs = [chunk_state, chunk_state, chunk_v, state_spec]
+        out_shape = [f32(NT, B, HV, K, V), f32(NT, B, HV, K, V), f32(NT, B, HV, C, V),
+                     f32(B, HV, K, V)]
+    kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only)
+    tile_bytes = C * (3 * K + C + BV) * jnp.dtype(dot_dtype).itemsize
+    out = pl.pallas_call(kernel, grid=(B, HV, V // BV), in_specs=in_specs, out_specs=out_specs,
+                         out_shape=out_shape, **_params(interpret, tile_bytes))(*args)
+    if entry_only:
+        return out
+    dh_starts, x, dvn, d_entry = out
+    return d_entry, dh_starts, x, dvn

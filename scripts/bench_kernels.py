@@ -1,0 +1,206 @@
+"""Time jaxcp (pallas, xla) and FLA side by side on one GPU: GDN, B = 1, bf16, L2-normalised q/k.
+
+    python scripts/bench_kernels.py --json docs/benchmarks/kernels.json     # on the GPU machine
+    python scripts/bench_kernels.py --report docs/benchmarks/kernels.json   # table + plot (.md, .png)
+
+FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
+same GPU, before JAX takes the device; it is skipped (with a note) when it cannot be imported.
+Each time is the median of --iters timed calls after warm-up, a call being the jitted forward
+(returns o) or forward+backward (gradients of q, k, v, g, beta for a random output
+cotangent).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
+CHUNK = 64
+# measured on the lent machines (device tool notes): memory GB/s, dense bf16 TFLOP/s
+PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
+
+
+def floor_ms(T: int, H: int, D: int, passes: str, device: str) -> float:
+    """Physical floor of GDN on this shape: max(bytes / bandwidth, FLOPs / tensor peak).
+
+    fwd bytes: q, k, v read, o written (bf16), g and beta (fp32/bf16): ~ (4 D + 6) T H bytes x 2.
+    fwd FLOPs per (chunk, head): 2 [C^2 (3K + 2V) + 3 C K V] (kk^T, w, u, qk^T; w S, k^T v;
+    q S, attn v). fwd+bwd: about 3x the FLOPs (recompute + 2x for the gradients) and 2.5x
+    the bytes (inputs, do, five gradients)."""
+    bw, peak = next((v for k, v in PEAKS.items() if k in device), PEAKS["H100"])
+    C = CHUNK
+    n_chunk_heads = T // C * H
+    flops = 2 * (C * C * (3 * D + 2 * D) + 3 * C * D * D) * n_chunk_heads
+    bytes_ = (4 * D * 2 + 2 * 4) * T * H
+    if passes == "fwd+bwd":
+        flops, bytes_ = 3 * flops, 2.5 * bytes_
+    return 1e3 * max(bytes_ / bw, flops / peak)
+
+
+def run_fla(configs, iters: int) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    import triton
+    import fla
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True   # timing only: FLA's guard for the gated dqkwg kernel
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out = []
+    for T, H, D in configs:
+        torch.manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+        q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
+        beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+        g = F.logsigmoid(torch.randn(1, T, H, device="cuda")).requires_grad_(True)
+        fwd = lambda: chunk_gated_delta_rule(F.normalize(q, p=2, dim=-1),
+                                             F.normalize(k, p=2, dim=-1), v, g, beta)[0]
+        do = torch.randn_like(fwd())
+        bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
+                                                   return_mode="median")
+        for passes, fn in (("fwd", fwd), ("fwd+bwd", lambda: fwd().backward(do))):
+            out.append(dict(op="gdn", impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
+                            ms=bench(fn), device=torch.cuda.get_device_name(),
+                            fla=getattr(fla, "__version__", "?")))
+            print(f"fla T={T} H={H} D={D} {passes}: {out[-1]['ms']:.3f} ms", flush=True)
+    return out
+
+
+def run_jaxcp(configs, impls, iters: int, fla_version: str) -> list[dict]:
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    import jaxcp
+
+    device = jax.devices()[0].device_kind
+    out = []
+    for T, H, D in configs:
+        rng = np.random.default_rng(0)
+        r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+        q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
+        g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32))
+        beta = jax.nn.sigmoid(r(1, T, H))
+        do = r(1, T, H, D)
+        for impl in impls:
+            backend = impl.removeprefix("jaxcp-")
+            call = lambda q, k, v, g, beta: jaxcp.chunk_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)[0]
+            loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) * do.astype(jnp.float32))
+            fns = {"fwd": jax.jit(call),
+                   "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))}
+            for passes, fn in fns.items():
+                try:
+                    jax.block_until_ready(fn(q, k, v, g, beta))
+                    for _ in range(3):
+                        jax.block_until_ready(fn(q, k, v, g, beta))
+                    times = []
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fn(q, k, v, g, beta))
+                        times.append(time.perf_counter() - t0)
+                    ms = 1e3 * float(np.median(times))
+                except Exception as e:   # an impl that cannot run this shape is reported, not fatal
+                    print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(e).__name__}: "
+                          f"{str(e)[:300]}", flush=True)
+                    continue
+                out.append(dict(op="gdn", impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
+                                ms=ms, device=device, jax=jax.__version__, fla=fla_version))
+                print(f"{impl} T={T} H={H} D={D} {passes}: {ms:.3f} ms", flush=True)
+    return out
+
+
+def report(path: str) -> None:
+    """kernels.md (table, floor, command) and kernels.png beside the JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = json.load(open(path))
+    base = os.path.splitext(path)[0]
+    device = next((r["device"] for r in records if r["impl"] != "fla"), records[0]["device"])
+    keys = sorted({(r["T"], r["H"], r["K"]) for r in records}, key=lambda c: (c[0], -c[1]))
+    impls = [i for i in ("jaxcp-pallas", "jaxcp-xla", "fla") if any(r["impl"] == i for r in records)]
+    ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
+    lines = [f"# GDN kernel benchmark", "",
+             f"Device: {device}; jax {next((r.get('jax') for r in records if r.get('jax')), '?')}; "
+             f"FLA {next((r.get('fla') for r in records if r.get('fla')), 'not run')}. "
+             "B = 1, bf16, q/k L2-normalised, median ms.", "",
+             "Command: `python scripts/bench_kernels.py --json docs/benchmarks/kernels.json` "
+             "(GPU), then `--report docs/benchmarks/kernels.json`.", "",
+             "| T | H | K=V | pass | " + " | ".join(impls) + " | pallas / FLA | floor |",
+             "|---|---|---|---|" + "---|" * len(impls) + "---|---|"]
+    for T, H, D in keys:
+        for passes in ("fwd", "fwd+bwd"):
+            vals = [ms.get((i, T, H, D, passes)) for i in impls]
+            p, f = ms.get(("jaxcp-pallas", T, H, D, passes)), ms.get(("fla", T, H, D, passes))
+            ratio = f"{p / f:.2f}x" if p and f else "-"
+            lines.append(f"| {T} | {H} | {D} | {passes} | "
+                         + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
+                         + f" | {ratio} | {floor_ms(T, H, D, passes, device):.2f} |")
+    lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
+              "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s; see `floor_ms` in the script.",
+              "", f"![kernels]({os.path.basename(base)}.png)", ""]
+    open(base + ".md", "w").write("\n".join(lines))
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
+        width = 0.8 / len(impls)
+        for n, impl in enumerate(impls):
+            vals = [ms.get((impl, T, H, D, passes), 0.0) for T, H, D in keys]
+            ax.bar([x + n * width for x in range(len(keys))], vals, width, label=impl)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
+        ax.set_xticklabels([f"T={T}\nH={H} D={D}" for T, H, D in keys])
+        ax.set_ylabel("ms (lower is better)")
+        ax.set_yscale("log")
+        ax.set_title(f"GDN {passes}, {device}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--report", help="write .md and .png from these records and exit")
+    ap.add_argument("--impls", default="jaxcp-pallas,jaxcp-xla,fla")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--configs", default=None, help="T:H:D,... (default: the three of the spec)")
+    ap.add_argument("--fla-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.report:
+        report(args.report)
+        return 0
+    configs = CONFIGS if not args.configs else [
+        tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    impls = args.impls.split(",")
+    if args.fla_child:
+        json.dump(run_fla(configs, args.iters), sys.stdout)
+        return 0
+    records = []
+    fla_version = "not run"
+    if "fla" in impls:
+        child = subprocess.run([sys.executable, __file__, "--fla-child", "--iters", str(args.iters),
+                                "--configs", ",".join(":".join(map(str, c)) for c in configs)],
+                               capture_output=True, text=True)
+        if child.returncode == 0:
+            fla_records = json.loads(child.stdout.strip().splitlines()[-1])
+            records += fla_records
+            fla_version = fla_records[0]["fla"] if fla_records else fla_version
+        else:
+            print("FLA not run:", child.stderr[-1500:], flush=True)
+    records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        json.dump(records, open(args.json, "w"), indent=1)
+    print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
+    for r in records:
+        print(f"{r['impl']:13} {r['T']:>6} {r['H']:>3} {r['K']:>4} {r['pass']:8} {r['ms']:9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

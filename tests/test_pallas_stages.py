@@ -1,0 +1,68 @@
+"""Each Pallas stage (interpret mode on the CPU) against its XLA twin."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcp import xla
+from jaxcp.layout import build_layout, num_chunks, to_chunks
+from jaxcp.pallas import state as pstate
+from helpers import assert_rel, make_inputs
+
+KINDS = ["gdn", "kda"]
+
+
+def chunk_terms(kind, cu, T, HV=2, K=16, V=32, C=16, with_init=True, device=0, world=1,
+                gate_scale=1.0):
+    q, k, v, g, beta, h0 = make_inputs(kind, 1, T, HV, HV, K, V, n_states=len(cu) - 1)
+    g = g * gate_scale
+    if kind == "gdn":
+        g = g[..., None]
+    cu = jnp.asarray(cu, jnp.int32)
+    layout, tmap = build_layout(1, T, C, cu, device * T, world * T)
+    NT = num_chunks(T, C, cu.shape[0] - 1)
+    ch = lambda x: to_chunks(x, tmap, NT, C)
+    terms = xla.intra_chunk(ch(q), ch(k) / 4, ch(v), ch(g), ch(beta), K ** -0.5)
+    return terms, layout, (h0 if with_init else None)
+
+
+CU = [0, 1, 20, 37, 70]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("with_init", [True, False])
+def test_state_fwd(kind, with_init):
+    terms, layout, init = chunk_terms(kind, CU, 70, with_init=with_init)
+    h0 = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, 16, 32)), jnp.float32)
+    want = xla.state_fwd(terms, layout, init, h0)
+    got = pstate.state_fwd(terms, layout, init, h0, interpret=True)
+    for name, a, b in zip(("h", "v_new", "last"), got, want):
+        assert_rel(a, b, 1e-5, name)
+    assert_rel(pstate.state_last(terms, layout, init, h0, interpret=True), want[2], 1e-5, "last")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cp_summary(kind):
+    # the middle device of three, inside one sequence: a non-zero transition M
+    terms, layout, init = chunk_terms(kind, [0, 210], 70, device=1, world=3, gate_scale=0.02)
+    assert float(jnp.abs(pstate.cp_summary(terms, layout, init, interpret=True)[1]).max()) > 0.01
+    for a, b, name in zip(pstate.cp_summary(terms, layout, init, interpret=True),
+                          xla.cp_summary(terms, layout, init), ("S_ext", "M")):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("entry_only", [True, False])
+def test_state_bwd(kind, entry_only):
+    terms, layout, init = chunk_terms(kind, CU, 70)
+    rng = np.random.default_rng(4)
+    do = jnp.asarray(rng.standard_normal(terms.u.shape), jnp.float32)
+    d_final = jnp.asarray(rng.standard_normal(init.shape), jnp.float32)
+    d_last = jnp.asarray(rng.standard_normal((1, 2, 16, 32)), jnp.float32)
+    want = xla.state_bwd(terms, layout, do, d_final, d_last, entry_only=entry_only)
+    got = pstate.state_bwd(terms, layout, do, d_final, d_last, entry_only=entry_only,
+                           interpret=True)
+    if entry_only:
+        want, got = (want,), (got,)
+    for name, a, b in zip(("d_entry", "dh_starts", "x", "dvn"), got, want):
+        assert_rel(a, b, 1e-5, name)
