@@ -86,7 +86,7 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
 
 
 def _forward(cfg, q, k, v, g, beta, init, layout):
-    terms = intra_chunk(q, k, v, g, beta, cfg.scale)
+    terms = cfg.stages.intra(q, k, v, g, beta, cfg.scale)
     s_in, m = _entry_state(cfg, terms, layout, init)
     h, v_new, _ = cfg.stages.state_fwd(terms, layout, init, s_in)
     o = chunk_output(terms.qg, terms.attn, h, v_new)

@@ -43,7 +43,7 @@ def _recurrence(q, k, v, g, beta, starts, seq, ends, init, num_seqs):
         v_new = (v_t - jnp.einsum("hkv,hk->hv", state, k_t, precision=_HIGHEST)) * b_t[:, None]
         state = state + k_t[..., None] * v_new[:, None, :]
         o_t = jnp.einsum("hkv,hk->hv", state, q_t, precision=_HIGHEST)
-        finals = jnp.where(end, finals.at[n].set(state), finals)
+        finals = finals.at[n].add(jnp.where(end, state, 0.0))   # each sequence ends once
         return (state, finals), o_t
 
     carry0 = (jnp.zeros((hv, kd, vd), jnp.float32), jnp.zeros((num_seqs, hv, kd, vd), jnp.float32))

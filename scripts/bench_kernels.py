@@ -66,7 +66,8 @@ def run_fla(configs, iters: int) -> list[dict]:
             out.append(dict(op="gdn", impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=bench(fn), device=torch.cuda.get_device_name(),
                             fla=getattr(fla, "__version__", "?")))
-            print(f"fla T={T} H={H} D={D} {passes}: {out[-1]['ms']:.3f} ms", flush=True)
+            print(f"fla T={T} H={H} D={D} {passes}: {out[-1]['ms']:.3f} ms", file=sys.stderr,
+                  flush=True)
     return out
 
 
@@ -183,15 +184,16 @@ def main(argv=None) -> int:
     records = []
     fla_version = "not run"
     if "fla" in impls:
+        # a child process, so that FLA (torch) has the GPU to itself before JAX starts
         child = subprocess.run([sys.executable, __file__, "--fla-child", "--iters", str(args.iters),
                                 "--configs", ",".join(":".join(map(str, c)) for c in configs)],
-                               capture_output=True, text=True)
+                               stdout=subprocess.PIPE, text=True)
         if child.returncode == 0:
-            fla_records = json.loads(child.stdout.strip().splitlines()[-1])
+            fla_records = json.loads(child.stdout)
             records += fla_records
             fla_version = fla_records[0]["fla"] if fla_records else fla_version
         else:
-            print("FLA not run:", child.stderr[-1500:], flush=True)
+            print(f"FLA not run (exit {child.returncode}); see its messages above", flush=True)
     records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

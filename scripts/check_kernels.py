@@ -40,7 +40,7 @@ def main(argv=None) -> int:
             for D in args.D:
                 rng = np.random.default_rng(T + D)
                 r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-                H = args.H
+                H = args.H if D <= 128 else max(1, args.H // 4)   # the reference keeps T states
                 q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
                 g = jax.nn.log_sigmoid(r(1, T, H) if kind == "gdn" else r(1, T, H, D) + 2.0)
                 beta = jax.nn.sigmoid(r(1, T, H))

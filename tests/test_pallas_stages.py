@@ -6,6 +6,7 @@ import pytest
 
 from jaxcp import xla
 from jaxcp.layout import build_layout, num_chunks, to_chunks
+from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import state as pstate
 from helpers import assert_rel, make_inputs
 
@@ -65,4 +66,16 @@ def test_state_bwd(kind, entry_only):
     if entry_only:
         want, got = (want,), (got,)
     for name, a, b in zip(("d_entry", "dh_starts", "x", "dvn"), got, want):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("C", [16, 64])
+def test_intra_chunk_gdn(C):
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, 32, 16)
+    layout, tmap = build_layout(1, 70, C, None, 0, 70)
+    ch = lambda x: to_chunks(x, tmap, num_chunks(70, C, None), C)
+    args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
+    want = xla.intra_chunk(*args, 0.25)
+    got = pintra.intra_chunk(*args, 0.25, interpret=True)
+    for name, a, b in zip(want._fields, got, want):
         assert_rel(a, b, 1e-5, name)
