@@ -32,6 +32,8 @@ def parse_args(argv=None):
     ap.add_argument("--varlen", default="auto",
                     help="cu_seqlens as comma list, 'auto' (a packed set crossing devices) or 'none'")
     ap.add_argument("--iters", type=int, default=3, help="timed runs (median)")
+    ap.add_argument("--backend", default=None, choices=["xla", "pallas", "interpret"],
+                    help="jaxcp backend (default: automatic)")
     args = ap.parse_args(argv)
     for name in ("T", "H", "K", "V", "iters"):
         if getattr(args, name) <= 0:
@@ -93,9 +95,21 @@ def main(argv=None) -> int:
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
-    print(f"devices: {W} x {jax.devices()[0].device_kind}; T={T} H={args.H} HV={HV} K={args.K} "
-          f"V={args.V} {args.dtype}; cu_seqlens={cu}", flush=True)
+    print(f"devices: {W} x {jax.devices()[0].device_kind}; jax {jax.__version__}; backend "
+          f"{args.backend or 'auto'}; T={T} H={args.H} HV={HV} K={args.K} V={args.V} {args.dtype}; "
+          f"cu_seqlens={cu}", flush=True)
+    head = f"{'op':4} {'strategy':10} {'W':>2} {'err o':>9} {'err final':>9} {'err grads':>9} " \
+           f"{'fwd ms':>9} {'fwd+bwd ms':>10}"
+    print(head)
+    print("-" * len(head))
     rows = []
+
+    def emit(row):
+        kind, strategy, w, eo, ef, eg, tf, tb = row
+        rows.append(row)
+        print(f"{kind:4} {strategy:10} {w:>2} {eo:9.2e} {ef:9.2e} {eg:9.2e} {tf:9.2f} {tb:10.2f}",
+              flush=True)
+
     rng = np.random.default_rng(0)
     for kind in args.ops.split(","):
         if kind not in ("gdn", "kda"):
@@ -116,16 +130,17 @@ def main(argv=None) -> int:
             both = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
             return fwd, both
 
-        kw = dict(cu_seqlens=cu_arr, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        kw = dict(cu_seqlens=cu_arr, use_qk_l2norm_in_kernel=True, output_final_state=True,
+                  backend=args.backend)
         single = lambda q, k, v, g, beta, h0: op(q, k, v, g, beta, initial_state=h0, **kw)
         fwd1, both1 = make(single)
         o1, f1 = fwd1(*xs)
         grads1 = both1(*xs)[1]
         t1f, t1b = timed(fwd1, *xs), timed(both1, *xs)
-        rows.append((kind, "none", 1, 0.0, 0.0, 0.0, t1f, t1b))
+        emit((kind, "none", 1, 0.0, 0.0, 0.0, t1f, t1b))
         for strategy in args.strategies.split(","):
             if strategy == "all_to_all" and args.H % W:
-                print(f"{kind} all_to_all: skipped, H={args.H} not divisible by {W}")
+                print(f"{kind} all_to_all: skipped, H={args.H} not divisible by {W}", flush=True)
                 continue
             seq = P(None, "seq")
 
@@ -134,21 +149,13 @@ def main(argv=None) -> int:
                           cp_strategy=strategy, **kw)
 
             cp = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5 + (P(),),
-                               out_specs=(seq, P()))
+                               out_specs=(seq, P()), check_vma=args.backend != "interpret")
             fwd, both = make(cp)
             o, f = fwd(*xs)
             grads = both(*xs)[1]
             err_g = max(rel(a, b) for a, b in zip(grads, grads1))
-            rows.append((kind, strategy, W, rel(o, o1), rel(f, f1), err_g,
-                         timed(fwd, *xs), timed(both, *xs)))
-            print(f"{kind} {strategy}: done", flush=True)
-
-    head = f"{'op':4} {'strategy':10} {'W':>2} {'err o':>9} {'err final':>9} {'err grads':>9} " \
-           f"{'fwd ms':>9} {'fwd+bwd ms':>10}"
-    print(head)
-    print("-" * len(head))
-    for kind, strategy, w, eo, ef, eg, tf, tb in rows:
-        print(f"{kind:4} {strategy:10} {w:>2} {eo:9.2e} {ef:9.2e} {eg:9.2e} {tf:9.2f} {tb:10.2f}")
+            emit((kind, strategy, W, rel(o, o1), rel(f, f1), err_g, timed(fwd, *xs),
+                  timed(both, *xs)))
     worst = max(max(r[3:6]) for r in rows)
     limit = 1e-4 if args.dtype == "float32" else 1e-2
     print(f"worst relative error of CP vs single device: {worst:.2e} "

@@ -23,8 +23,8 @@ def check_against_reference(kind, args, dtype, **kw):
     wo, wf = cotangents((B, T, HV, V), args[5].shape)
     (o, final), grads = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, **kw))(*args)
     ref_args = tuple(x.astype(jnp.float32) for x in args)
-    (o_ref, final_ref), grads_ref = value_and_grads(ref, ref_args, wo, wf,
-                                                    **{k: v for k, v in kw.items() if k != "chunk_size"})
+    ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "backend")}
+    (o_ref, final_ref), grads_ref = value_and_grads(ref, ref_args, wo, wf, **ref_kw)
     tol = TOL[dtype]
     assert o.dtype == dtype
     assert_rel(o, o_ref, tol, "o")
@@ -54,6 +54,16 @@ def test_chunk_varlen_matches_reference(kind):
     cu = jnp.asarray([0, 1, 64, 65, 100, 192, 193, 250], jnp.int32)   # 1-token sequences,
     args = make_inputs(kind, 1, 250, 2, 2, 16, 32, n_states=7)       # boundaries on chunk starts
     check_against_reference(kind, args, jnp.float32, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_interpret_matches_reference(kind, dtype):
+    """The whole op through the Pallas kernels (interpret mode), varlen, GVA, initial states."""
+    cu = jnp.asarray([0, 1, 64, 65, 100, 130], jnp.int32)
+    args = make_inputs(kind, 1, 130, 1, 2, 32, 16, dtype=dtype, n_states=5)
+    check_against_reference(kind, args, dtype, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                            backend="interpret")
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

@@ -22,14 +22,16 @@ def mesh_of(W):
     return Mesh(np.array(jax.devices()[:W]), ("seq",))
 
 
-def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4):
+def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=None):
     op, ref = OPS[kind]
     B, T, HV, V = args[2].shape
     wo, wf = cotangents((B, T, HV, V), (args[5].shape))
     kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    cp = cp_call(op, mesh_of(W), "seq", cp_strategy=strategy, check_vma=check_vma, **kw)
+    cp = cp_call(op, mesh_of(W), "seq", cp_strategy=strategy, check_vma=check_vma,
+                 backend=backend, **kw)
     (o_cp, f_cp), g_cp = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))(*args)
-    (o_1, f_1), g_1 = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, **kw))(*args)
+    (o_1, f_1), g_1 = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, backend=backend,
+                                                         **kw))(*args)
     (o_r, f_r), g_r = value_and_grads(ref, args, wo, wf, **kw)
     assert_rel(o_cp, o_1, tol, "o: CP vs single device")
     assert_rel(f_cp, f_1, tol, "final state: CP vs single device")
@@ -80,3 +82,16 @@ def test_cp_without_initial_state_or_final_state():
     o_1, final = op(q, k, v, g, beta, cu_seqlens=cu)
     assert final is None
     assert_rel(o_cp, o_1, 1e-4, "o")
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
+@pytest.mark.parametrize("W", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cp_varlen_pallas_interpret(kind, W, strategy):
+    """The same layouts through the Pallas kernels in interpret mode (which needs
+    shard_map's check_vma=False in JAX 0.11)."""
+    T_local, cu = LAYOUTS[W]
+    args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 16,
+                       n_states=len(cu) - 1, seed=W + 10)
+    compare(kind, W, strategy, args, jnp.asarray(cu, jnp.int32), check_vma=False,
+            backend="interpret")

@@ -26,7 +26,8 @@ from jaxcp.xla.intra import ChunkTerms
 
 
 def _dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    """fp32 a @ b in IEEE fp32 (the inputs reach this kernel as fp32)."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
 
 
 def _unit_lower_inverse(a):

@@ -46,9 +46,12 @@ def _params(interpret: bool, tile_bytes: int):
 
 
 def _dot(a, b):
-    """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16."""
+    """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16, and
+    fp32 x fp32 runs in IEEE fp32 (not TF32), so the fp32 path and the M chain stay fp32."""
     dtype = a.dtype if a.dtype == b.dtype else jnp.bfloat16
-    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32,
+                   precision=precision)
 
 
 def _tiles(dtype, *xs):
