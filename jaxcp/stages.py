@@ -38,7 +38,8 @@ def stages_for(backend: str, dot_dtype: str = "float32") -> Stages:
 
     def intra(q, k, v, g, beta, scale):
         if g.shape[-1] == 1:
-            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, interpret=interpret)
+            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, interpret=interpret,
+                                            precise=dot_dtype == "float32")
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
     kw = dict(interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))

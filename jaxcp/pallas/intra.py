@@ -25,9 +25,11 @@ from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
 
 
-def _dot(a, b):
-    """fp32 a @ b in IEEE fp32 (the inputs reach this kernel as fp32)."""
-    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+def _dot(a, b, precise: bool):
+    """a @ b of fp32 tiles: IEEE fp32 when precise, else the GPU default TF32 (enough for
+    bf16 inputs; IEEE fp32 made this kernel 10x slower on the H100)."""
+    precision = lax.Precision.HIGHEST if precise else None
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
 def _unit_lower_inverse(a):
@@ -46,7 +48,7 @@ def _unit_lower_inverse(a):
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, attn_ref,
-                  *, scale):
+                  *, scale, precise):
     f32 = jnp.float32
     q, k, v = q_ref[...].astype(f32), k_ref[...].astype(f32), v_ref[...].astype(f32)
     g, beta = g_ref[...].astype(f32), beta_ref[...].astype(f32)
@@ -57,17 +59,20 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd
     diff = G[:, None] - G[None, :]
     strict = jnp.exp(jnp.where(rows > cols, diff, -jnp.inf))
     causal = jnp.exp(jnp.where(rows >= cols, diff, -jnp.inf))
-    inv = _unit_lower_inverse(beta[:, None] * _dot(k, k.T) * strict)
+    dot = partial(_dot, precise=precise)
+    inv = _unit_lower_inverse(beta[:, None] * dot(k, k.T) * strict)
     eg = jnp.exp(G)
-    w_ref[...] = _dot(inv, k * (beta * eg)[:, None])
-    u_ref[...] = _dot(inv, v * beta[:, None])
+    w_ref[...] = dot(inv, k * (beta * eg)[:, None])
+    u_ref[...] = dot(inv, v * beta[:, None])
     qg_ref[...] = q * (eg * scale)[:, None]
     kd_ref[...] = k * jnp.exp(jnp.sum(g) - G)[:, None]
-    attn_ref[...] = _dot(q, k.T) * causal * scale
+    attn_ref[...] = dot(q, k.T) * causal * scale
 
 
-def intra_chunk(q, k, v, g, beta, scale: float, *, interpret: bool = False) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1])."""
+def intra_chunk(q, k, v, g, beta, scale: float, *, interpret: bool = False,
+                precise: bool = True) -> ChunkTerms:
+    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]); precise=False lets the GPU
+    run the products in TF32 (for bf16 inputs)."""
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     tile = lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h: (t, b, h, 0, 0))
@@ -75,7 +80,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, interpret: bool = False) -> C
     args, mat = unify([q, k, v, g[..., 0], beta])
     out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, jnp.float32, manual_axis_type=mat)
     w, u, qg, kd, attn = pl.pallas_call(
-        partial(_intra_kernel, scale=scale), grid=(NT, B, HV),
+        partial(_intra_kernel, scale=scale, precise=precise), grid=(NT, B, HV),
         in_specs=[tile(K), tile(K), tile(V), vec, vec],
         out_specs=[tile(K), tile(V), tile(K), tile(K), tile(C)],
         out_shape=[out(C, K), out(C, V), out(C, K), out(C, K), out(C, C)],
