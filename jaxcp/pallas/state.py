@@ -19,6 +19,7 @@ u = 0 (the transition M, K columns).
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,46 @@ def _decay(dec_ref, i, gdn: bool):
     return dec_ref[i, :][:, None]
 
 
+class _Specs(NamedTuple):
+    """BlockSpecs of the grid (batch, value head, block of BV state columns)."""
+    chunk_k: pl.BlockSpec      # [NT, C, K] tiles of one head
+    chunk_v: pl.BlockSpec      # [NT, C, BV]
+    chunk_cc: pl.BlockSpec     # [NT, C, C]
+    chunk_state: pl.BlockSpec  # [NT, K, BV]
+    per_chunk: pl.BlockSpec    # [NT] layout fields of one batch row
+    decay: pl.BlockSpec        # [NT] (GDN) or [NT, K]
+    state: pl.BlockSpec        # [K, BV]
+    seq_state: Callable        # n_seqs -> [N, K, BV] (initial states, final-state cotangents)
+
+
+def _specs(NT: int, C: int, K: int, BV: int, gdn: bool) -> _Specs:
+    return _Specs(
+        chunk_k=pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0)),
+        chunk_v=pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j)),
+        chunk_cc=pl.BlockSpec((NT, None, None, C, C), lambda b, h, j: (0, b, h, 0, 0)),
+        chunk_state=pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j)),
+        per_chunk=pl.BlockSpec((NT, None), lambda b, h, j: (0, b)),
+        decay=(pl.BlockSpec((NT, None, None), lambda b, h, j: (0, b, h)) if gdn else
+               pl.BlockSpec((NT, None, None, K), lambda b, h, j: (0, b, h, 0))),
+        state=pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)),
+        seq_state=lambda n: pl.BlockSpec((n, None, K, BV), lambda b, h, j: (0, h, 0, j)),
+    )
+
+
+def _with_states(sp: _Specs, in_specs: list, args: list, seq_states, carry):
+    """Append the optional per-sequence states [N, HV, K, cols] and the carried state
+    [B, HV, K, cols], and unify their vma types. Returns (in_specs, args, out) where
+    out(*shape) is the fp32 ShapeDtypeStruct of an output."""
+    if seq_states is not None:
+        in_specs.append(sp.seq_state(seq_states.shape[0]))
+        args.append(seq_states)
+    in_specs.append(sp.state)
+    args.append(carry)
+    args, mat = unify(args)
+    return in_specs, args, lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                               manual_axis_type=mat)
+
+
 def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h):
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
@@ -103,31 +144,19 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     decay = terms.decay[..., 0] if gdn else terms.decay
     has_init = init is not None
     grid = (B, HV, cols // BV)
-    chunk_kd = pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0))
-    chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
-    per_chunk = pl.BlockSpec((NT, None), lambda b, h, j: (0, b))
-    dec_spec = (pl.BlockSpec((NT, None, None), lambda b, h, j: (0, b, h)) if gdn else
-                pl.BlockSpec((NT, None, None, K), lambda b, h, j: (0, b, h, 0)))
-    state_spec = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-    in_specs = [chunk_kd, chunk_kd, dec_spec, per_chunk, per_chunk]
+    sp = _specs(NT, C, K, BV, gdn)
+    in_specs = [sp.chunk_k, sp.chunk_k, sp.decay, sp.per_chunk, sp.per_chunk]
     w, kd, u = _tiles(dot_dtype, terms.w, terms.kd, terms.u)
     args = [w, kd, decay, layout.chunk_starts.astype(jnp.int32), layout.chunk_seq]
     if u_cols:
-        in_specs.append(chunk_v)
+        in_specs.append(sp.chunk_v)
         args.append(u)
-    if has_init:
-        in_specs.append(pl.BlockSpec((init.shape[0], None, K, BV), lambda b, h, j: (0, h, 0, j)))
-        args.append(init)
-    in_specs.append(state_spec)
-    args.append(h0)
-    args, mat = unify(args)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=mat)
+    in_specs, args, f32 = _with_states(sp, in_specs, args, init, h0)
     out_specs, out_shape = [], []
     if store_h:
-        out_specs += [pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j)),
-                      chunk_v]
+        out_specs += [sp.chunk_state, sp.chunk_v]
         out_shape += [f32(NT, B, HV, K, cols), f32(NT, B, HV, C, cols)]
-    out_specs.append(state_spec)
+    out_specs.append(sp.state)
     out_shape.append(f32(B, HV, K, cols))
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
                      store_h=store_h)
@@ -199,30 +228,17 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
     gdn = terms.decay.shape[-1] == 1
     decay = terms.decay[..., 0] if gdn else terms.decay
     has_final = d_final is not None
-    chunk_kd = pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0))
-    chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
-    chunk_cc = pl.BlockSpec((NT, None, None, C, C), lambda b, h, j: (0, b, h, 0, 0))
-    per_chunk = pl.BlockSpec((NT, None), lambda b, h, j: (0, b))
-    dec_spec = (pl.BlockSpec((NT, None, None), lambda b, h, j: (0, b, h)) if gdn else
-                pl.BlockSpec((NT, None, None, K), lambda b, h, j: (0, b, h, 0)))
-    state_spec = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-    chunk_state = pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j))
-    in_specs = [chunk_kd, chunk_kd, chunk_kd, chunk_cc, dec_spec, chunk_v, per_chunk, per_chunk,
-                per_chunk]
+    sp = _specs(NT, C, K, BV, gdn)
+    in_specs = [sp.chunk_k, sp.chunk_k, sp.chunk_k, sp.chunk_cc, sp.decay, sp.chunk_v,
+                sp.per_chunk, sp.per_chunk, sp.per_chunk]
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
     args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_ends.astype(jnp.int32), layout.chunk_seq]
-    if has_final:
-        in_specs.append(pl.BlockSpec((d_final.shape[0], None, K, BV), lambda b, h, j: (0, h, 0, j)))
-        args.append(d_final)
-    in_specs.append(state_spec)
-    args.append(d_last)
-    args, mat = unify(args)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=mat)
+    in_specs, args, f32 = _with_states(sp, in_specs, args, d_final, d_last)
     if entry_only:
-        out_specs, out_shape = state_spec, f32(B, HV, K, V)
+        out_specs, out_shape = sp.state, f32(B, HV, K, V)
     else:
-        out_specs = [chunk_state, chunk_state, chunk_v, state_spec]
+        out_specs = [sp.chunk_state, sp.chunk_state, sp.chunk_v, sp.state]
         out_shape = [f32(NT, B, HV, K, V), f32(NT, B, HV, K, V), f32(NT, B, HV, C, V),
                      f32(B, HV, K, V)]
     kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only)

@@ -1,0 +1,160 @@
+"""Gated DeltaNet and Kimi Delta Attention layers (Flax NNX), parameterised like FLA's.
+
+Both map x [B, T, hidden] -> [B, T, hidden]:
+  q, k = L2norm(silu(conv(W_q x))), L2norm(silu(conv(W_k x)))    [B, T, H, K]
+  v    = silu(conv(W_v x))                                        [B, T, HV, V]
+  beta = sigmoid(W_b x) (x2 with allow_neg_eigval)                [B, T, HV]
+  o    = delta rule (jaxcp ops) -> gated RMS norm -> W_o
+GDN:  g = -exp(A_log) * softplus(W_a x + dt_bias)                 [B, T, HV]
+      output gate: swish(W_g x)
+KDA:  g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)           [B, T, HV, K]
+      (safe_gate: g = lower_bound * sigmoid(exp(A_log) (W_f2 W_f1 x + dt_bias)))
+      output gate: sigmoid(W_g2 W_g1 x + b_g2)
+With cp_axis the layer is called inside jax.shard_map with that axis manual and x holding this
+device's slice of the sequence; the short convolutions fetch their halo and the delta rule
+merges state maps across devices. cu_seqlens (global offsets, B == 1) packs sequences.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxcp.models.conv import ShortConvolution
+from jaxcp.models.norm import RMSNorm, RMSNormGated
+from jaxcp.ops import chunk_gated_delta_rule, chunk_kda
+
+
+def _dt_bias(key: jax.Array, size: int, dt_min: float = 1e-3, dt_max: float = 0.1,
+             floor: float = 1e-4) -> jax.Array:
+    """FLA's init: dt log-uniform in [dt_min, dt_max] (>= floor), stored as softplus^-1(dt)."""
+    u = jax.random.uniform(key, (size,), jnp.float32)
+    dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), floor)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, rngs=rngs)
+
+
+class _DeltaRuleLayer(nnx.Module):
+    """What GDN and KDA share: q/k/v/b projections, short convs, the op call, the output."""
+
+    def __init__(self, hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
+                 conv_size, allow_neg_eigval, norm_eps, cp_axis, backend, gate_activation,
+                 *, rngs):
+        self.num_heads = num_heads
+        self.num_v_heads = num_v_heads or num_heads
+        if self.num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads={self.num_v_heads} must be a multiple of "
+                             f"num_heads={num_heads}")
+        self.head_k_dim = head_dim
+        self.head_v_dim = int(head_dim * expand_v)
+        key_dim = num_heads * head_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+        self.q_proj = _linear(hidden_size, key_dim, rngs)
+        self.k_proj = _linear(hidden_size, key_dim, rngs)
+        self.v_proj = _linear(hidden_size, value_dim, rngs)
+        self.b_proj = _linear(hidden_size, self.num_v_heads, rngs)
+        self.use_short_conv = use_short_conv
+        if use_short_conv:
+            conv = lambda n: ShortConvolution(n, conv_size, "silu", cp_axis, rngs=rngs)
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(key_dim), conv(key_dim), conv(value_dim)
+        self.o_norm = (RMSNormGated(self.head_v_dim, norm_eps, gate_activation)
+                       if gate_activation else RMSNorm(self.head_v_dim, norm_eps))
+        self.o_proj = _linear(value_dim, hidden_size, rngs)
+        self.allow_neg_eigval = allow_neg_eigval
+        self.cp_axis = cp_axis
+        self.backend = backend
+
+    def _qkv_beta(self, x, cu_seqlens):
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q = self.q_conv1d(q, cu_seqlens)
+            k = self.k_conv1d(k, cu_seqlens)
+            v = self.v_conv1d(v, cu_seqlens)
+        else:
+            q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        return (q.reshape(B, T, self.num_heads, self.head_k_dim),
+                k.reshape(B, T, self.num_heads, self.head_k_dim),
+                v.reshape(B, T, self.num_v_heads, self.head_v_dim), beta.astype(x.dtype))
+
+    def _finish(self, op, x, q, k, v, g, beta, gate, cu_seqlens):
+        B, T, _ = x.shape
+        o, _ = op(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                  cp_axis=self.cp_axis, backend=self.backend)
+        if gate is None:
+            o = self.o_norm(o)
+        else:
+            o = self.o_norm(o, gate.reshape(B, T, self.num_v_heads, self.head_v_dim))
+        return self.o_proj(o.reshape(B, T, -1).astype(x.dtype))
+
+
+class GatedDeltaNet(_DeltaRuleLayer):
+    """Gated DeltaNet layer (scalar decay per head and token); see the module docstring."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int,
+                 num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,
+                 use_short_conv: bool = True, conv_size: int = 4, allow_neg_eigval: bool = False,
+                 norm_eps: float = 1e-5, cp_axis: str | None = None, backend: str | None = None,
+                 *, rngs: nnx.Rngs):
+        super().__init__(hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
+                         conv_size, allow_neg_eigval, norm_eps, cp_axis, backend,
+                         "swish" if use_gate else None, rngs=rngs)
+        self.a_proj = _linear(hidden_size, self.num_v_heads, rngs)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.num_v_heads,),
+                                                          jnp.float32, 1e-4, 16.0)))
+        self.dt_bias = nnx.Param(_dt_bias(rngs.params(), self.num_v_heads))
+        self.g_proj = _linear(hidden_size, self.num_v_heads * self.head_v_dim, rngs) if use_gate else None
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        q, k, v, beta = self._qkv_beta(x, cu_seqlens)
+        a = self.a_proj(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
+        gate = None if self.g_proj is None else self.g_proj(x)
+        return self._finish(chunk_gated_delta_rule, x, q, k, v, g, beta, gate, cu_seqlens)
+
+
+class KimiDeltaAttention(_DeltaRuleLayer):
+    """Kimi Delta Attention layer (per-channel decay through a low-rank projection)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int,
+                 num_v_heads: int | None = None, expand_v: float = 1.0,
+                 use_short_conv: bool = True, conv_size: int = 4, allow_neg_eigval: bool = False,
+                 safe_gate: bool = False, lower_bound: float | None = None,
+                 norm_eps: float = 1e-5, cp_axis: str | None = None, backend: str | None = None,
+                 *, rngs: nnx.Rngs):
+        super().__init__(hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
+                         conv_size, allow_neg_eigval, norm_eps, cp_axis, backend, "sigmoid",
+                         rngs=rngs)
+        if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
+            raise ValueError(f"safe_gate needs lower_bound in [-5, 0), got {lower_bound!r}")
+        HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        self.f_proj1 = _linear(hidden_size, V, rngs)
+        self.f_proj2 = _linear(V, HV * K, rngs)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (HV,), jnp.float32,
+                                                          1.0, 16.0)))
+        self.dt_bias = nnx.Param(_dt_bias(rngs.params(), HV * K))
+        self.g_proj1 = _linear(hidden_size, V, rngs)
+        self.g_proj2 = _linear(V, HV * V, rngs, bias=True)
+        self.safe_gate = safe_gate
+        self.lower_bound = lower_bound
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        B, T, _ = x.shape
+        q, k, v, beta = self._qkv_beta(x, cu_seqlens)
+        f = self.f_proj2(self.f_proj1(x)).astype(jnp.float32) + self.dt_bias[...]
+        f = f.reshape(B, T, self.num_v_heads, self.head_k_dim)
+        A = jnp.exp(self.A_log[...])[:, None]
+        if self.safe_gate:
+            g = self.lower_bound * jax.nn.sigmoid(A * f)
+        else:
+            g = -A * jax.nn.softplus(f)
+        gate = self.g_proj2(self.g_proj1(x))
+        return self._finish(chunk_kda, x, q, k, v, g, beta, gate, cu_seqlens)

@@ -1,0 +1,79 @@
+"""Layers with CP on 4 fake devices == the same layers without CP: outputs, parameter gradients."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxcp.models import GatedDeltaNet, KimiDeltaAttention, ShortConvolution
+from helpers import assert_rel
+
+HIDDEN = 32
+
+
+def mesh_of(W):
+    return Mesh(np.array(jax.devices()[:W]), ("seq",))
+
+
+def compare_cp(make, W, T, cu, *, tol=1e-4):
+    """make(cp_axis) -> module; same parameters with and without CP."""
+    plain, sharded = make(None), make("seq")
+    graph_plain, params = nnx.split(plain)
+    graph_cp, params_cp = nnx.split(sharded)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params, params_cp)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, T, HIDDEN)), jnp.float32)
+    wo = jnp.asarray(np.random.default_rng(1).standard_normal((1, T, HIDDEN)), jnp.float32)
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+
+    def run_plain(params, x):
+        return nnx.merge(graph_plain, params)(x, cu)
+
+    def run_cp(params, x):
+        body = lambda params, x: nnx.merge(graph_cp, params)(x, cu)
+        return jax.shard_map(body, mesh=mesh_of(W), in_specs=(P(), P(None, "seq")),
+                             out_specs=P(None, "seq"))(params, x)
+
+    results = []
+    for run in (run_plain, run_cp):
+        loss = lambda p, x: jnp.sum(run(p, x) * wo)
+        y = jax.jit(run)(params, x)
+        gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+        results.append((y, gp, gx))
+    (y1, gp1, gx1), (y2, gp2, gx2) = results
+    assert_rel(y2, y1, tol, "output")
+    assert_rel(gx2, gx1, tol, "d x")
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(gp1),
+                                 jax.tree_util.tree_leaves_with_path(gp2)):
+        assert_rel(b, a, tol, f"d {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("T_local,cu", [(2, [0, 3, 8]), (5, [0, 1, 9, 20])])
+def test_short_conv_halo(T_local, cu):
+    """T_local < conv_size - 1: the halo comes from several devices back, never across a
+    sequence start."""
+    compare_cp(lambda ax: ShortConvolution(HIDDEN, 4, "silu", ax, rngs=nnx.Rngs(0)), 4,
+               4 * T_local, cu)
+
+
+def test_short_conv_respects_sequence_starts():
+    conv = ShortConvolution(HIDDEN, 4, None, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 10, HIDDEN)), jnp.float32)
+    cu = jnp.asarray([0, 4, 10], jnp.int32)
+    y = conv(x, cu)
+    np.testing.assert_allclose(y[:, 4:], conv(x[:, 4:]), rtol=1e-6)
+    np.testing.assert_allclose(y[:, :4], conv(x[:, :4]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 30, 31, 48]])
+def test_gated_deltanet_cp(cu):
+    compare_cp(lambda ax: GatedDeltaNet(HIDDEN, 2, 16, num_v_heads=4, expand_v=1.0, cp_axis=ax,
+                                        rngs=nnx.Rngs(0)), 4, 48, cu)
+
+
+@pytest.mark.parametrize("safe_gate", [False, True])
+def test_kimi_delta_attention_cp(safe_gate):
+    compare_cp(lambda ax: KimiDeltaAttention(HIDDEN, 2, 16, safe_gate=safe_gate,
+                                             lower_bound=-5.0 if safe_gate else None,
+                                             cp_axis=ax, rngs=nnx.Rngs(0)),
+               4, 48, [0, 5, 30, 31, 48])
