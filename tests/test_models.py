@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcp.models import GatedDeltaNet, KimiDeltaAttention, ShortConvolution
+from jaxcp.models import CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention, ShortConvolution
 from helpers import assert_rel
 
 HIDDEN = 32
@@ -77,3 +77,18 @@ def test_kimi_delta_attention_cp(safe_gate):
                                              lower_bound=-5.0 if safe_gate else None,
                                              cp_axis=ax, rngs=nnx.Rngs(0)),
                4, 48, [0, 5, 30, 31, 48])
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 30, 31, 48]])
+def test_causal_self_attention_cp(cu):
+    compare_cp(lambda ax: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, cp_axis=ax,
+                                              rngs=nnx.Rngs(0)), 4, 48, cu)
+
+
+def test_attention_is_per_sequence():
+    """Packed sequences attend only within themselves, with positions restarting at each."""
+    attn = CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 12, HIDDEN)), jnp.float32)
+    y = attn(x, jnp.asarray([0, 5, 12], jnp.int32))
+    np.testing.assert_allclose(y[:, :5], attn(x[:, :5]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[:, 5:], attn(x[:, 5:]), rtol=1e-5, atol=1e-6)

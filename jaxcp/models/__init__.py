@@ -1,6 +1,7 @@
-"""Flax NNX layers: GatedDeltaNet, KimiDeltaAttention and their parts."""
+"""Flax NNX layers: GatedDeltaNet, KimiDeltaAttention, causal softmax attention, their parts."""
+from jaxcp.models.attention import CausalSelfAttention
 from jaxcp.models.conv import ShortConvolution
 from jaxcp.models.layers import GatedDeltaNet, KimiDeltaAttention
 from jaxcp.models.norm import RMSNorm, RMSNormGated
 
-__all__ = ["ShortConvolution", "GatedDeltaNet", "KimiDeltaAttention", "RMSNorm", "RMSNormGated"]
+__all__ = ["CausalSelfAttention", "ShortConvolution", "GatedDeltaNet", "KimiDeltaAttention", "RMSNorm", "RMSNormGated"]

@@ -1,0 +1,66 @@
+"""Causal softmax self-attention with RoPE and GQA, context-parallel by K/V all-gather."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of x [B, T, N, D] at integer positions [T] (rotate-half form)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, None] * freq[None, :]          # [T, D/2]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+    """softmax(q k^T / sqrt(D) + causal/segment mask) v, q/k rotated by RoPE at each token's
+    position inside its own sequence; num_kv_heads < num_heads shares K/V heads (GQA).
+
+    With cp_axis (inside shard_map, x is this device's slice of the sequence) K and V are
+    all-gathered over the axis and the mask uses global positions, so each device attends from
+    its queries to every earlier key of the same sequence. cu_seqlens: global offsets (B == 1).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope_theta: float = 10000.0,
+                 cp_axis: str | None = None, *, rngs: nnx.Rngs):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        self.head_dim = head_dim or hidden_size // num_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        lin = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
+        self.q_proj = lin(hidden_size, num_heads * self.head_dim)
+        self.k_proj = lin(hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = lin(hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = lin(num_heads * self.head_dim, hidden_size)
+        self.rope_theta = rope_theta
+        self.cp_axis = cp_axis
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        B, T, _ = x.shape
+        start = 0 if self.cp_axis is None else lax.axis_index(self.cp_axis) * T
+        pos = start + jnp.arange(T)
+        seq = (jnp.zeros_like(pos) if cu_seqlens is None
+               else jnp.searchsorted(cu_seqlens[1:], pos, side="right"))
+        offset = 0 if cu_seqlens is None else cu_seqlens[seq]
+        q = rope(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim), pos - offset,
+                 self.rope_theta)
+        k = rope(self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim), pos - offset,
+                 self.rope_theta)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        k_pos, k_seq = pos, seq
+        if self.cp_axis is not None:
+            gather = lambda a, axis: lax.all_gather(a, self.cp_axis, axis=axis, tiled=True)
+            k, v, k_pos, k_seq = gather(k, 1), gather(v, 1), gather(pos, 0), gather(seq, 0)
+        mask = (pos[:, None] >= k_pos[None, :]) & (seq[:, None] == k_seq[None, :])
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+        return self.o_proj(o.reshape(B, T, -1))
