@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with Python 3.12 (from PATH, or from pyenv) and install jaxcp with its test and
 # bench extras. Extra arguments are extras to add, e.g. `bash scripts/setup.sh cuda12`.
+# JAX_VERSION=0.11.2 pins jax and jaxlib (CI tests the version the GPU machines run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -20,5 +21,7 @@ PY=$(find_python)
 extras="test,bench"
 for e in "$@"; do extras="$extras,$e"; done
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[$extras]"
+pins=()
+if [ -n "${JAX_VERSION:-}" ]; then pins=("jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"); fi
+.venv/bin/python -m pip install -q -e ".[$extras]" ${pins[@]+"${pins[@]}"}
 .venv/bin/python -c "import jax, jaxcp; print('jaxcp', jaxcp.__version__, 'jax', jax.__version__, jax.default_backend())"

@@ -6,24 +6,31 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxcp.models import CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention, ShortConvolution
+from jaxcp.models import LM, CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention, ShortConvolution
 from helpers import assert_rel
 
 HIDDEN = 32
+VOCAB = 64
 
 
 def mesh_of(W):
     return Mesh(np.array(jax.devices()[:W]), ("seq",))
 
 
-def compare_cp(make, W, T, cu, *, tol=1e-4):
-    """make(cp_axis) -> module; same parameters with and without CP."""
+def compare_cp(make, W, T, cu, *, tol=1e-4, tokens=False):
+    """make(cp_axis) -> module; same parameters with and without CP. tokens: the module takes
+    int tokens [1, T] (an LM) rather than [1, T, HIDDEN] activations."""
     plain, sharded = make(None), make("seq")
     graph_plain, params = nnx.split(plain)
     graph_cp, params_cp = nnx.split(sharded)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), params, params_cp)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, T, HIDDEN)), jnp.float32)
-    wo = jnp.asarray(np.random.default_rng(1).standard_normal((1, T, HIDDEN)), jnp.float32)
+    rng = np.random.default_rng(0)
+    if tokens:
+        x = jnp.asarray(rng.integers(0, VOCAB, (1, T)), jnp.int32)
+        wo = jnp.asarray(rng.standard_normal((1, T, VOCAB)), jnp.float32)
+    else:
+        x = jnp.asarray(rng.standard_normal((1, T, HIDDEN)), jnp.float32)
+        wo = jnp.asarray(rng.standard_normal((1, T, HIDDEN)), jnp.float32)
     cu = None if cu is None else jnp.asarray(cu, jnp.int32)
 
     def run_plain(params, x):
@@ -38,11 +45,13 @@ def compare_cp(make, W, T, cu, *, tol=1e-4):
     for run in (run_plain, run_cp):
         loss = lambda p, x: jnp.sum(run(p, x) * wo)
         y = jax.jit(run)(params, x)
-        gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+        gp = jax.jit(jax.grad(loss))(params, x)
+        gx = None if tokens else jax.jit(jax.grad(loss, argnums=1))(params, x)
         results.append((y, gp, gx))
     (y1, gp1, gx1), (y2, gp2, gx2) = results
     assert_rel(y2, y1, tol, "output")
-    assert_rel(gx2, gx1, tol, "d x")
+    if not tokens:
+        assert_rel(gx2, gx1, tol, "d x")
     for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(gp1),
                                  jax.tree_util.tree_leaves_with_path(gp2)):
         assert_rel(b, a, tol, f"d {jax.tree_util.keystr(path)}")
@@ -92,3 +101,14 @@ def test_attention_is_per_sequence():
     y = attn(x, jnp.asarray([0, 5, 12], jnp.int32))
     np.testing.assert_allclose(y[:, :5], attn(x[:, :5]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y[:, 5:], attn(x[:, 5:]), rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_lm_cp():
+    """A GDN / KDA / attention hybrid under one sequence mesh axis, packed sequences."""
+    compare_cp(lambda ax: LM(VOCAB, HIDDEN, "gdn,kda,attn", 2, 16, 64, cp_axis=ax,
+                             rngs=nnx.Rngs(0)), 4, 48, [0, 5, 30, 31, 48], tokens=True)
+
+
+def test_lm_rejects_unknown_mixer():
+    with pytest.raises(ValueError, match="layer_pattern"):
+        LM(VOCAB, HIDDEN, "gdn,mamba", 2, 16, rngs=nnx.Rngs(0))

@@ -1,0 +1,76 @@
+"""A small hybrid language model: embedding, N blocks of [RMSNorm -> mixer -> RMSNorm -> SwiGLU],
+final norm, untied head. Mixers come from a layer pattern such as "gdn,gdn,gdn,attn"."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxcp.models.attention import CausalSelfAttention
+from jaxcp.models.layers import GatedDeltaNet, KimiDeltaAttention
+from jaxcp.models.norm import RMSNorm
+
+MIXERS = ("gdn", "kda", "attn")
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs):
+        lin = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
+        self.gate_proj = lin(hidden_size, intermediate_size)
+        self.up_proj = lin(hidden_size, intermediate_size)
+        self.down_proj = lin(intermediate_size, hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """x + mixer(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int,
+                 intermediate_size: int, cp_axis: str | None, backend: str | None,
+                 *, rngs: nnx.Rngs):
+        self.mixer_norm = RMSNorm(hidden_size)
+        if kind == "gdn":
+            self.mixer = GatedDeltaNet(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
+                                       backend=backend, rngs=rngs)
+        elif kind == "kda":
+            self.mixer = KimiDeltaAttention(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
+                                            backend=backend, rngs=rngs)
+        else:
+            self.mixer = CausalSelfAttention(hidden_size, num_heads, head_dim=head_dim,
+                                             cp_axis=cp_axis, rngs=rngs)
+        self.mlp_norm = RMSNorm(hidden_size)
+        self.mlp = SwiGLU(hidden_size, intermediate_size, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None) -> jax.Array:
+        x = x + self.mixer(self.mixer_norm(x), cu_seqlens)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LM(nnx.Module):
+    """tokens [B, T] int -> logits [B, T, vocab_size] float32.
+
+    layer_pattern: comma-separated mixers from MIXERS, one per block ("gdn,gdn,gdn,attn")."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
+                 head_dim: int, intermediate_size: int | None = None,
+                 cp_axis: str | None = None, backend: str | None = None, *, rngs: nnx.Rngs):
+        kinds = [k.strip() for k in layer_pattern.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in MIXERS]
+        if not kinds or bad:
+            raise ValueError(f"layer_pattern must list mixers from {MIXERS}, got {layer_pattern!r}")
+        self.embed = nnx.Embed(vocab_size, hidden_size, rngs=rngs)
+        self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
+                                      intermediate_size or 4 * hidden_size, cp_axis, backend,
+                                      rngs=rngs) for kind in kinds])
+        self.norm = RMSNorm(hidden_size)
+        self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cu_seqlens)
+        return self.head(self.norm(x)).astype(jnp.float32)
