@@ -126,7 +126,7 @@ def report(path: str) -> None:
     keys = sorted({(r["T"], r["H"], r["K"]) for r in records}, key=lambda c: (c[0], -c[1]))
     impls = [i for i in ("jaxcp-pallas", "jaxcp-xla", "fla") if any(r["impl"] == i for r in records)]
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
-    lines = [f"# GDN kernel benchmark", "",
+    lines = ["# GDN kernel benchmark", "",
              f"Device: {device}; jax {next((r.get('jax') for r in records if r.get('jax')), '?')}; "
              f"FLA {next((r.get('fla') for r in records if r.get('fla')), 'not run')}. "
              "B = 1, bf16, q/k L2-normalised, median ms.", "",

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         try:
             cu = [int(x) for x in args.varlen.split(",")]
         except ValueError:
-            ap.error(f"--varlen must be a comma list of integers, 'auto' or 'none'")
+            ap.error("--varlen must be a comma list of integers, 'auto' or 'none'")
     dtype = jnp.dtype(args.dtype)
     mesh = Mesh(np.array(jax.devices()[:W]), ("seq",))
     cu_arr = None if cu is None else jnp.asarray(cu, jnp.int32)

@@ -1,5 +1,4 @@
 """Each Pallas stage (interpret mode on the CPU) against its XLA twin."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

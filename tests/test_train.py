@@ -1,0 +1,98 @@
+"""The training step: CP == no CP on (2, 2) and (1, 4) meshes; MQAR data."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxcp.models import LM
+from jaxcp.train import make_optimizer, make_train_step, mqar_batch, replicate, shard_batch
+from helpers import assert_rel
+
+VOCAB = 32
+
+
+def mesh_of(data, seq):
+    return Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
+
+
+def two_steps(data, seq, cp):
+    mesh = mesh_of(data, seq)
+    model = LM(VOCAB, 32, "gdn,attn", 2, 16, 64, cp_axis="seq" if cp else None,
+               rngs=nnx.Rngs(0))
+    graph, params = nnx.split(model)
+    tx = make_optimizer(1e-2, 1, 10)
+    step = make_train_step(graph, mesh, tx)
+    params = replicate(params, mesh)
+    opt_state = replicate(tx.init(params), mesh)
+    losses = []
+    for i in range(2):
+        batch = shard_batch(mqar_batch(jax.random.key(i), 2, 32, VOCAB, 4), mesh)
+        params, opt_state, loss, _ = step(params, opt_state, batch)
+        losses.append(loss)
+    return losses, params
+
+
+@pytest.mark.parametrize("data,seq", [(2, 2), (1, 4)])
+def test_train_step_cp_equals_no_cp(data, seq):
+    losses_cp, params_cp = two_steps(data, seq, cp=True)
+    losses, params = two_steps(data, 1, cp=False)
+    for a, b in zip(losses_cp, losses):
+        assert_rel(a, b, 1e-4, "loss")
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(params_cp),
+                                 jax.tree_util.tree_leaves_with_path(params)):
+        assert_rel(a, b, 1e-4, f"updated {jax.tree_util.keystr(path)}")
+
+
+def test_mqar_batch_layout():
+    b = mqar_batch(jax.random.key(0), 3, 32, VOCAB, 4)
+    tokens, targets, mask = map(np.asarray, b)
+    for row in range(3):
+        pairs = dict(zip(tokens[row, 0:8:2], tokens[row, 1:8:2]))
+        assert len(pairs) == 4 and all(1 <= k < VOCAB // 2 for k in pairs)
+        q = np.nonzero(mask[row])[0]
+        assert len(q) == 4 and np.all(q >= 16)
+        for p in q:
+            assert targets[row, p] == pairs[tokens[row, p]]
+
+
+TINY = ["--seq-len", "32", "--batch", "4", "--hidden", "32", "--heads", "2", "--head-dim", "16",
+        "--layers", "gdn", "--mesh", "data=1,seq=2", "--pairs", "2", "--vocab", "16",
+        "--eval-every", "2", "--ckpt-every", "2"]
+
+
+def run_train(*args):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "scripts/train.py", *TINY, *args], capture_output=True,
+                         text=True, timeout=600)
+    return out
+
+
+def test_train_script_resume_continues_the_trajectory(tmp_path):
+    import json
+    straight = run_train("--steps", "6", "--run-dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = run_train("--steps", "4", "--run-dir", str(tmp_path / "b"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = run_train("--steps", "6", "--run-dir", str(tmp_path / "b"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    end = lambda r: json.loads(r.stdout.strip().splitlines()[-1])
+    assert end(straight)["step"] == end(resumed)["step"] == 6
+    np.testing.assert_allclose(end(resumed)["loss"], end(straight)["loss"], rtol=1e-5)
+    assert (tmp_path / "b" / "curves.png").exists()
+    assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "data=1,pipe=2"], "--mesh"),
+    (["--steps", "0"], "--steps"),
+    (["--data", "/nonexistent/file.txt"], "--data"),
+])
+def test_train_script_bad_flags(args, message):
+    out = run_train(*args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
