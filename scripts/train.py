@@ -49,8 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=64, help="MQAR vocabulary (bytes: 256)")
-    ap.add_argument("--pairs", type=int, default=8, help="MQAR key-value pairs per sequence")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--pairs", type=int, default=4, help="MQAR key-value pairs per sequence")
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="compute dtype (parameters stay float32)")

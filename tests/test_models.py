@@ -112,3 +112,17 @@ def test_hybrid_lm_cp():
 def test_lm_rejects_unknown_mixer():
     with pytest.raises(ValueError, match="layer_pattern"):
         LM(VOCAB, HIDDEN, "gdn,mamba", 2, 16, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda", "attn"])
+def test_layer_enters_shard_map_under_jit_on_a_mesh(kind):
+    """cp_axis set, called under jax.jit with jax.set_mesh: the layer shards itself."""
+    make = {"gdn": lambda ax: GatedDeltaNet(HIDDEN, 2, 16, cp_axis=ax, rngs=nnx.Rngs(0)),
+            "kda": lambda ax: KimiDeltaAttention(HIDDEN, 2, 16, cp_axis=ax, rngs=nnx.Rngs(0)),
+            "attn": lambda ax: CausalSelfAttention(HIDDEN, 2, cp_axis=ax, rngs=nnx.Rngs(0))}[kind]
+    plain, sharded = make(None), make("seq")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 48, HIDDEN)), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "seq"))
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda x: sharded(x))(x)
+    assert_rel(y, plain(x), 1e-4, "output")

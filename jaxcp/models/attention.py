@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxcp.models.enter import call_with_cp
+
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding of x [B, T, N, D] at integer positions [T] (rotate-half form)."""
@@ -21,9 +23,10 @@ class CausalSelfAttention(nnx.Module):
     """softmax(q k^T / sqrt(D) + causal/segment mask) v, q/k rotated by RoPE at each token's
     position inside its own sequence; num_kv_heads < num_heads shares K/V heads (GQA).
 
-    With cp_axis (inside shard_map, x is this device's slice of the sequence) K and V are
-    all-gathered over the axis and the mask uses global positions, so each device attends from
-    its queries to every earlier key of the same sequence. cu_seqlens: global offsets (B == 1).
+    With cp_axis (inside shard_map, x is this device's slice of the sequence; outside one, the
+    layer enters shard_map over the current mesh) K and V are all-gathered over the axis and the
+    mask uses global positions, so each device attends from its queries to every earlier key of
+    the same sequence. cu_seqlens: global offsets (B == 1).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
@@ -46,6 +49,9 @@ class CausalSelfAttention(nnx.Module):
         self.cp_axis = cp_axis
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        return call_with_cp(self, self.cp_axis, x, cu_seqlens, CausalSelfAttention._forward)
+
+    def _forward(self, x, cu_seqlens):
         B, T, _ = x.shape
         start = 0 if self.cp_axis is None else lax.axis_index(self.cp_axis) * T
         pos = start + jnp.arange(T)

@@ -10,9 +10,10 @@ GDN:  g = -exp(A_log) * softplus(W_a x + dt_bias)                 [B, T, HV]
 KDA:  g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)           [B, T, HV, K]
       (safe_gate: g = lower_bound * sigmoid(exp(A_log) (W_f2 W_f1 x + dt_bias)))
       output gate: sigmoid(W_g2 W_g1 x + b_g2)
-With cp_axis the layer is called inside jax.shard_map with that axis manual and x holding this
-device's slice of the sequence; the short convolutions fetch their halo and the delta rule
-merges state maps across devices. cu_seqlens (global offsets, B == 1) packs sequences.
+With cp_axis, inside a jax.shard_map with that axis manual x is this device's slice of the
+sequence (the short convolutions fetch their halo, the delta rule merges state maps across
+devices); outside one, under jax.set_mesh, the layer enters shard_map itself (models.enter).
+cu_seqlens (global offsets, B == 1) packs sequences.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcp.models.conv import ShortConvolution
+from jaxcp.models.enter import call_with_cp
 from jaxcp.models.norm import RMSNorm, RMSNormGated
 from jaxcp.ops import chunk_gated_delta_rule, chunk_kda
 
@@ -114,6 +116,9 @@ class GatedDeltaNet(_DeltaRuleLayer):
         self.g_proj = _linear(hidden_size, self.num_v_heads * self.head_v_dim, rngs) if use_gate else None
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        return call_with_cp(self, self.cp_axis, x, cu_seqlens, GatedDeltaNet._forward)
+
+    def _forward(self, x, cu_seqlens):
         q, k, v, beta = self._qkv_beta(x, cu_seqlens)
         a = self.a_proj(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
@@ -147,6 +152,9 @@ class KimiDeltaAttention(_DeltaRuleLayer):
         self.lower_bound = lower_bound
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        return call_with_cp(self, self.cp_axis, x, cu_seqlens, KimiDeltaAttention._forward)
+
+    def _forward(self, x, cu_seqlens):
         B, T, _ = x.shape
         q, k, v, beta = self._qkv_beta(x, cu_seqlens)
         f = self.f_proj2(self.f_proj1(x)).astype(jnp.float32) + self.dt_bias[...]
