@@ -1,7 +1,6 @@
 """The training step: CP == no CP on (2, 2) and (1, 4) meshes; MQAR data."""
 import numpy as np
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
