@@ -29,8 +29,8 @@ from jaxcp.xla.intra import einsum
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all is
-    handled outside the core, see ``cp.all_to_all``)."""
+    """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all wraps
+    the op without CP, see ``cp.all_to_all``)."""
     scale: float
     output_final_state: bool
     cp_axis: str | None = None

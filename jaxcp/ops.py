@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.checks import check_inputs
+from jaxcp.cp.all_to_all import head_all_to_all
 from jaxcp.core import CoreConfig, chunk_delta_rule
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
@@ -16,37 +17,18 @@ def resolve_backend(backend: str | None) -> str:
     return "xla" if backend is None else backend
 
 
-def _head_all_to_all(kind, q, k, v, g, beta, *, initial_state, cp_axis, **kw):
-    """CP by heads: all-to-all from sequence shards to head shards, the whole sequence per
-    device for H / W heads, and back."""
-    W = lax.axis_size(cp_axis)
-    rank = lax.axis_index(cp_axis)
-    to_heads = lambda x: lax.all_to_all(x, cp_axis, 2, 1, tiled=True)
-    q, k, v, g, beta = map(to_heads, (q, k, v, g, beta))
-    if initial_state is not None:
-        hv = initial_state.shape[1] // W
-        initial_state = lax.dynamic_slice_in_dim(initial_state, rank * hv, hv, axis=1)
-    o, final = _chunk_op(kind, q, k, v, g, beta, initial_state=initial_state, cp_axis=None,
-                         cp_strategy="allgather", **kw)
-    o = lax.all_to_all(o, cp_axis, 1, 2, tiled=True)
-    if final is not None:
-        placed = jnp.zeros(final.shape[:1] + (final.shape[1] * W,) + final.shape[2:], final.dtype)
-        final = lax.psum(lax.dynamic_update_slice_in_dim(placed, final, rank * final.shape[1], 1),
-                         cp_axis)
-    return o, final
-
-
 def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
               use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend):
     world = check_inputs(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                          chunk_size=chunk_size, backend=backend)
     if cp_axis is not None and cp_strategy == "all_to_all":
-        return _head_all_to_all(kind, q, k, v, g, beta, initial_state=initial_state,
-                                cp_axis=cp_axis, scale=scale,
-                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                chunk_size=chunk_size, backend=backend)
+        run = lambda q, k, v, g, beta, h0: _chunk_op(
+            kind, q, k, v, g, beta, scale=scale, initial_state=h0,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=None,
+            cp_strategy="allgather", chunk_size=chunk_size, backend=backend)
+        return head_all_to_all(run, cp_axis, q, k, v, g, beta, initial_state)
 
     B, T, H, K = q.shape
     HV = v.shape[2]

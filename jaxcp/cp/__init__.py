@@ -1,1 +1,2 @@
-"""What talks across devices: the prefix/suffix merges of the devices' affine state maps."""
+"""What talks across devices: the prefix/suffix merges of the devices' affine state maps, the
+head all-to-all baseline, and the conv halo."""
