@@ -1,0 +1,224 @@
+"""Context-parallel GDN on W devices: no CP vs allgather / all_to_all / relay, and FLA's KCP.
+
+    python scripts/bench_cp.py --json docs/benchmarks/cp.json          # on the multi-GPU machine
+    python scripts/bench_cp.py --report docs/benchmarks/cp.json        # table + plot (.md, .png)
+
+bf16, B = 1, q/k L2-normalised; one sequence and a packed set of 10. "none" runs the whole
+sequence on one device; the CP strategies split it over all W. rate = (t_none / W) / t (1.0 is
+a perfect split). FLA (torch) runs first, as W processes under torchrun (--fla), so that JAX
+has the GPUs afterwards. Each time is the median of --iters calls after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
+
+
+def layouts(T: int) -> list[list[int]]:
+    """One sequence, and the packed set (scaled to T)."""
+    return [[0, T], [round(c * T / VARLEN[-1]) for c in VARLEN]]
+
+
+def fla_worker(T: int, H: int, D: int, iters: int) -> None:
+    """One torchrun rank: FLA's KCP and its no-CP time; rank 0 prints JSON records."""
+    import statistics
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True   # timing only: FLA's guard for the gated dqkwg kernel
+    from fla.ops.cp import build_cp_context
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    dist.init_process_group("nccl")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+
+    def timeit(fn):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record(); fn(); end.record(); torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        t = torch.tensor([statistics.median(times)], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    torch.manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
+    q, k, v = (F.normalize(mk(1, T, H, D), p=2, dim=-1) if i < 2 else mk(1, T, H, D)
+               for i in range(3))
+    g = F.logsigmoid(torch.randn(1, T, H, device=dev))
+    beta = mk(1, T, H).sigmoid()
+    records = []
+    for cu_list in layouts(T):
+        cu = torch.tensor(cu_list, device=dev, dtype=torch.long)
+        TL = T // W
+        local = [x[:, rank * TL:(rank + 1) * TL] for x in (q, k, v, g, beta)]
+        ctx = build_cp_context(cu, group=dist.group.WORLD)
+        for backward in (False, True):
+            def call(xs, **kw):
+                ts = [x.detach().requires_grad_(backward) for x in xs]
+                o = chunk_gated_delta_rule(*ts, **kw)[0]
+                if backward:
+                    o.backward(torch.ones_like(o))
+            t_none = timeit(lambda: call((q, k, v, g, beta), cu_seqlens=cu))
+            t_kcp = timeit(lambda: call(local, cp_context=ctx))
+            for strategy, ms, w in (("none", t_none, 1), ("fla-kcp", t_kcp, W)):
+                records.append(dict(op="gdn", strategy=strategy, W=w, T=T, H=H, K=D, V=D,
+                                    nseq=len(cu_list) - 1,
+                                    **{"pass": "fwd+bwd" if backward else "fwd"}, ms=ms,
+                                    device=torch.cuda.get_device_name(), impl="fla"))
+    if rank == 0:
+        print(json.dumps(records), flush=True)
+    dist.destroy_process_group()
+
+
+def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend) -> list[dict]:
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jaxcp
+
+    devices = jax.devices()[:W]
+    mesh = Mesh(np.array(devices), ("seq",))
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
+    g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32))
+    beta = jax.nn.sigmoid(r(1, T, H))
+    xs = (q, k, v, g, beta)
+
+    def timed(fn):
+        jax.block_until_ready(fn(*xs))
+        for _ in range(3):
+            jax.block_until_ready(fn(*xs))
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*xs))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * float(np.median(times))
+
+    records = []
+    for cu_list in layouts(T):
+        cu = jnp.asarray(cu_list, jnp.int32)
+        kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend=backend)
+        for strategy in ["none"] + list(strategies):
+            if strategy == "none":
+                call = lambda *a: jaxcp.chunk_gated_delta_rule(*a, **kw)[0]
+            else:
+                seq = P(None, "seq")
+                body = lambda *a, s=strategy: jaxcp.chunk_gated_delta_rule(
+                    *a, cp_axis="seq", cp_strategy=s, **kw)[0]
+                call = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq,
+                                     check_vma=backend != "interpret")
+            loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32))
+            for passes, fn in (("fwd", jax.jit(call)),
+                               ("fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))):
+                ms = timed(fn)
+                records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
+                                    T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
+                                    **{"pass": passes}, ms=ms, device=devices[0].device_kind,
+                                    impl=f"jaxcp-{backend}"))
+                print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} {ms:9.3f} ms", flush=True)
+    return records
+
+
+def report(path: str) -> None:
+    """cp.md (table with rates, command) and cp.png beside the JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = json.load(open(path))
+    base = os.path.splitext(path)[0]
+    W = max(r["W"] for r in records)
+    none = {(r["impl"], r["nseq"], r["pass"]): r["ms"] for r in records if r["strategy"] == "none"}
+    lines = ["# Context-parallel GDN benchmark", "",
+             f"Device: {W} x {records[0]['device']}; T = {records[0]['T']}, H = {records[0]['H']}, "
+             f"K = V = {records[0]['K']}, bf16, B = 1. rate = (t_none / W) / t.", "",
+             "Command: `python scripts/bench_cp.py --json docs/benchmarks/cp.json` on the GPUs, "
+             "then `--report docs/benchmarks/cp.json`.", "",
+             "| impl | strategy | sequences | pass | ms | rate |", "|---|---|---|---|---|---|"]
+    for r in records:
+        t_none = none.get((r["impl"], r["nseq"], r["pass"]))
+        rate = "-" if r["strategy"] == "none" or not t_none else f"{t_none / W / r['ms']:.0%}"
+        lines.append(f"| {r['impl']} | {r['strategy']} | {r['nseq']} | {r['pass']} | "
+                     f"{r['ms']:.2f} | {rate} |")
+    lines += ["", f"![cp]({os.path.basename(base)}.png)", ""]
+    open(base + ".md", "w").write("\n".join(lines))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
+        rows = [r for r in records if r["pass"] == passes]
+        labels = [f"{r['impl'].replace('jaxcp-', '')}\n{r['strategy']}\n{r['nseq']} seq" for r in rows]
+        ax.bar(range(len(rows)), [r["ms"] for r in rows])
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("ms (lower is better)")
+        ax.set_title(f"GDN {passes}, W = {W}")
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--report")
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--devices", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--strategies", default="allgather,all_to_all,relay")
+    ap.add_argument("--backend", default="pallas", choices=["pallas", "xla", "interpret"])
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.report:
+        report(args.report)
+        return 0
+    if args.fla_worker:
+        fla_worker(args.T, args.H, args.D, args.iters)
+        return 0
+    records = []
+    gpus = shutil.which("nvidia-smi") is not None
+    W = args.devices
+    if not gpus:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={W or 4}")
+    elif not args.no_fla:
+        n = W or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                                    text=True).stdout.count("GPU "))
+        child = subprocess.run(["torchrun", f"--nproc_per_node={n}", __file__, "--fla-worker",
+                                "--T", str(args.T), "--H", str(args.H), "--D", str(args.D),
+                                "--iters", str(args.iters)], stdout=subprocess.PIPE, text=True)
+        if child.returncode == 0:
+            records += json.loads(child.stdout.strip().splitlines()[-1])
+        else:
+            print(f"FLA not run (exit {child.returncode})", flush=True)
+    import jax
+    records += run_jaxcp(args.T, args.H, args.D, W or len(jax.devices()), args.iters,
+                         args.strategies.split(","), args.backend)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        json.dump(records, open(args.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
