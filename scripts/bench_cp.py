@@ -16,7 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+
+from jax_timing import median_ms
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
 
@@ -102,17 +103,6 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend) -
     beta = jax.nn.sigmoid(r(1, T, H))
     xs = (q, k, v, g, beta)
 
-    def timed(fn):
-        jax.block_until_ready(fn(*xs))
-        for _ in range(3):
-            jax.block_until_ready(fn(*xs))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*xs))
-            times.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(times))
-
     records = []
     for cu_list in layouts(T):
         cu = jnp.asarray(cu_list, jnp.int32)
@@ -129,7 +119,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend) -
             loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32))
             for passes, fn in (("fwd", jax.jit(call)),
                                ("fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))):
-                ms = timed(fn)
+                ms = median_ms(fn, *xs, iters=iters)
                 records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
                                     T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
                                     **{"pass": passes}, ms=ms, device=devices[0].device_kind,

@@ -16,7 +16,8 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from jax_timing import median_ms
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
 CHUNK = 64
@@ -95,15 +96,7 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str) -> list[dict]:
                    "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))}
             for passes, fn in fns.items():
                 try:
-                    jax.block_until_ready(fn(q, k, v, g, beta))
-                    for _ in range(3):
-                        jax.block_until_ready(fn(q, k, v, g, beta))
-                    times = []
-                    for _ in range(iters):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(fn(q, k, v, g, beta))
-                        times.append(time.perf_counter() - t0)
-                    ms = 1e3 * float(np.median(times))
+                    ms = median_ms(fn, q, k, v, g, beta, iters=iters)
                 except Exception as e:   # an impl that cannot run this shape is reported, not fatal
                     print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(e).__name__}: "
                           f"{str(e)[:300]}", flush=True)

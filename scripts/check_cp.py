@@ -14,7 +14,8 @@ import argparse
 import os
 import shutil
 import sys
-import time
+
+from jax_timing import median_ms
 
 
 def parse_args(argv=None):
@@ -82,14 +83,7 @@ def main(argv=None) -> int:
     cu_arr = None if cu is None else jnp.asarray(cu, jnp.int32)
     n_seqs = 1 if cu is None else len(cu) - 1
 
-    def timed(fn, *xs):
-        jax.block_until_ready(fn(*xs))
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*xs))
-            times.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(times))
+    timed = lambda fn, *xs: median_ms(fn, *xs, iters=args.iters, warmup=0)
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

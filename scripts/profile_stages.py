@@ -9,7 +9,8 @@ state recurrence (XLA scan and Pallas), the output (XLA), the backward state rec
 from __future__ import annotations
 
 import argparse
-import time
+
+from jax_timing import median_ms
 
 import numpy as np
 
@@ -39,14 +40,8 @@ def main(argv=None):
 
     def timed(name, fn, *xs):
         fn = jax.jit(fn)
-        out = jax.block_until_ready(fn(*xs))
-        ts = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*xs))
-            ts.append(time.perf_counter() - t0)
-        print(f"{name:34} {1e3 * np.median(ts):9.3f} ms", flush=True)
-        return out
+        print(f"{name:34} {median_ms(fn, *xs, iters=args.iters, warmup=0):9.3f} ms", flush=True)
+        return fn(*xs)
 
     chunks = timed("layout: to_chunks x5 (fp32)", lambda *xs: tuple(
         to_chunks(x.astype(jnp.float32), tmap, NT, C) for x in xs), q, k, v, g, beta)
