@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from jaxcp.vma import manual_axis_size
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -34,12 +35,12 @@ def axis_size_or_raise(cp_axis: str) -> int:
     """Size of the manual mesh axis cp_axis; ValueError when it is not bound."""
     if not isinstance(cp_axis, str):
         raise TypeError(f"cp_axis must be a mesh axis name (str) or None, got {cp_axis!r}")
-    try:
-        return lax.axis_size(cp_axis)
-    except NameError:
+    size = manual_axis_size(cp_axis)
+    if size is None:
         raise ValueError(
             f"cp_axis={cp_axis!r} is not a bound mesh axis: call the op inside jax.shard_map "
-            f"over a mesh with the axis {cp_axis!r} manual") from None
+            f"over a mesh with the axis {cp_axis!r} manual")
+    return size
 
 
 def check_inputs(kind: str, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,

@@ -46,6 +46,11 @@ class TokenMap(NamedTuple):
     token_slot: jax.Array
 
 
+def sequence_of(cu_seqlens: jax.Array, positions: jax.Array) -> jax.Array:
+    """Index of the sequence holding each global token position (cu_seqlens: [N + 1] offsets)."""
+    return jnp.searchsorted(cu_seqlens[1:], positions, side="right").astype(jnp.int32)
+
+
 def num_chunks(t_local: int, chunk_size: int, num_seqs: int | None) -> int:
     """Static number of chunks for a device of t_local tokens (num_seqs None: no varlen)."""
     if num_seqs is None:
@@ -102,7 +107,7 @@ def build_layout(batch: int, t_local: int, chunk_size: int, cu_seqlens: jax.Arra
     offset = slot - chunk_begin[slot_seq] * C
     valid = used[slot // C] & (offset < length[slot_seq])
     t = jnp.arange(t_local)
-    token_seq = jnp.searchsorted(cu[1:], device_start + t, side="right")
+    token_seq = sequence_of(cu, device_start + t)
     token_map = TokenMap(
         slot_token=jnp.where(valid, local_start[slot_seq] + offset, -1).astype(jnp.int32),
         token_slot=(chunk_begin[token_seq] * C + t - local_start[token_seq]).astype(jnp.int32),

@@ -13,7 +13,8 @@ from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 
 
 def resolve_backend(backend: str | None) -> str:
-    """None picks "xla" (the Pallas path runs only its state recurrences as kernels so far)."""
+    """None picks "xla": the Pallas path has kernels for only part of the pipeline so far
+    (see ``jaxcp.stages``) and is not yet verified under CP on GPUs."""
     return "xla" if backend is None else backend
 
 

@@ -23,11 +23,6 @@ from jaxcp.l2norm import l2_normalize
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _sequence_ids(cu_seqlens: jax.Array, total: int) -> jax.Array:
-    """Sequence index of every token position in [0, total)."""
-    return jnp.searchsorted(cu_seqlens[1:], jnp.arange(total), side="right").astype(jnp.int32)
-
-
 def _recurrence(q, k, v, g, beta, starts, seq, ends, init, num_seqs):
     """Scan one token stream. q, k [T, HV, K]; v [T, HV, V]; g [T, HV, Kg]; beta [T, HV];
     starts/ends [T] bool, seq [T] int (sequence of each token); init [N, HV, K, V].
@@ -83,7 +78,7 @@ def _reference(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu
         N = cu.shape[0] - 1
         init = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else f32(initial_state)
         pos = jnp.arange(T)
-        seq = _sequence_ids(cu, T)
+        seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
         starts = pos == cu[seq]
         ends = pos == cu[seq + 1] - 1
         o, finals = _recurrence(q[0], k[0], v[0], g[0], beta[0], starts, seq, ends, init, N)

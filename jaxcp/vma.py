@@ -15,15 +15,23 @@ def varying_axes(x: jax.Array) -> frozenset:
     return frozenset() if mat is None else frozenset(mat.varying)
 
 
+def manual_axis_size(axis: str) -> int | None:
+    """Size of `axis` if it is a manual axis of an enclosing shard_map, else None."""
+    try:
+        return lax.axis_size(axis)
+    except NameError:
+        return None
+
+
+def _vary_over(leaf: jax.Array, axes: frozenset) -> jax.Array:
+    missing = tuple(sorted(axes - varying_axes(leaf)))
+    return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+
 def vary_like(x, ref: jax.Array):
     """Cast every leaf of x to vary over the axes ref varies over and it does not."""
     want = varying_axes(ref)
-
-    def one(leaf):
-        missing = tuple(sorted(want - varying_axes(leaf)))
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return jax.tree.map(one, x)
+    return jax.tree.map(lambda leaf: _vary_over(leaf, want), x)
 
 
 def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
@@ -42,9 +50,5 @@ def unify(args: list) -> tuple[list, object]:
     axes = frozenset().union(*(varying_axes(a) for a in args))
     if not axes:
         return args, None
-    cast = []
-    for a in args:
-        missing = tuple(sorted(axes - varying_axes(a)))
-        cast.append(lax.pcast(a, missing, to="varying") if missing else a)
-    mat = next(jax.typeof(a).manual_axis_type for a in cast)
-    return cast, mat
+    cast = [_vary_over(a, axes) for a in args]
+    return cast, jax.typeof(cast[0]).manual_axis_type

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxcp.layout import sequence_of
 from jaxcp.models.enter import call_with_cp
 
 
@@ -55,8 +56,7 @@ class CausalSelfAttention(nnx.Module):
         B, T, _ = x.shape
         start = 0 if self.cp_axis is None else lax.axis_index(self.cp_axis) * T
         pos = start + jnp.arange(T)
-        seq = (jnp.zeros_like(pos) if cu_seqlens is None
-               else jnp.searchsorted(cu_seqlens[1:], pos, side="right"))
+        seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
         offset = 0 if cu_seqlens is None else cu_seqlens[seq]
         q = rope(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim), pos - offset,
                  self.rope_theta)

@@ -7,6 +7,7 @@ from flax import nnx
 from jax import lax
 
 from jaxcp.cp.halo import previous_tokens
+from jaxcp.layout import sequence_of
 
 
 class ShortConvolution(nnx.Module):
@@ -47,7 +48,7 @@ class ShortConvolution(nnx.Module):
         if cu_seqlens is None:
             seq = jnp.zeros_like(pos)
         else:
-            seq = jnp.searchsorted(cu_seqlens[1:], pos, side="right")
+            seq = sequence_of(cu_seqlens, pos)
         weight = self.weight[...].astype(x.dtype)
         y = jnp.zeros_like(x)
         for lag in range(W):

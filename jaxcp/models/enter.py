@@ -11,24 +11,17 @@ from typing import Callable
 
 import jax
 from flax import nnx
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxcp.vma import manual_axis_size
+
 BATCH_AXES = ("data",)
-
-
-def axis_is_manual(axis: str) -> bool:
-    try:
-        lax.axis_size(axis)
-        return True
-    except NameError:
-        return False
 
 
 def call_with_cp(module: nnx.Module, cp_axis: str | None, x: jax.Array,
                  cu_seqlens: jax.Array | None, body: Callable) -> jax.Array:
     """body(module, x, cu_seqlens) directly, or inside shard_map over the current mesh."""
-    if cp_axis is None or axis_is_manual(cp_axis):
+    if cp_axis is None or manual_axis_size(cp_axis) is not None:
         return body(module, x, cu_seqlens)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or cp_axis not in mesh.axis_names:

@@ -93,6 +93,16 @@ def _specs(NT: int, C: int, K: int, BV: int, gdn: bool) -> _Specs:
     )
 
 
+def _setup(terms: ChunkTerms, cols: int):
+    """Shapes, state-column block, gate kind, decay operand and BlockSpecs of one call over
+    `cols` state columns."""
+    NT, B, HV, C, K = terms.w.shape
+    BV = _block_cols(cols, K)
+    gdn = terms.decay.shape[-1] == 1
+    decay = terms.decay[..., 0] if gdn else terms.decay
+    return (NT, B, HV, C, K), BV, gdn, decay, _specs(NT, C, K, BV, gdn)
+
+
 def _with_states(sp: _Specs, in_specs: list, args: list, seq_states, carry):
     """Append the optional per-sequence states [N, HV, K, cols] and the carried state
     [B, HV, K, cols], and unify their vma types. Returns (in_specs, args, out) where
@@ -137,14 +147,10 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
                  interpret: bool, dot_dtype):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0)."""
-    NT, B, HV, C, K = terms.w.shape
     cols = h0.shape[-1]
-    BV = _block_cols(cols, K)
-    gdn = terms.decay.shape[-1] == 1
-    decay = terms.decay[..., 0] if gdn else terms.decay
+    (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols)
     has_init = init is not None
     grid = (B, HV, cols // BV)
-    sp = _specs(NT, C, K, BV, gdn)
     in_specs = [sp.chunk_k, sp.chunk_k, sp.decay, sp.per_chunk, sp.per_chunk]
     w, kd, u = _tiles(dot_dtype, terms.w, terms.kd, terms.u)
     args = [w, kd, decay, layout.chunk_starts.astype(jnp.int32), layout.chunk_seq]
@@ -222,13 +228,9 @@ def _bwd_kernel(*refs, nt, gdn, has_final, entry_only):
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
               entry_only: bool = False, interpret: bool = False, dot_dtype=jnp.float32):
     """Twin of xla.state.state_bwd: (d_entry, dh_starts, X, dvn), or d_entry alone."""
-    NT, B, HV, C, K = terms.w.shape
     V = do.shape[-1]
-    BV = _block_cols(V, K)
-    gdn = terms.decay.shape[-1] == 1
-    decay = terms.decay[..., 0] if gdn else terms.decay
+    (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V)
     has_final = d_final is not None
-    sp = _specs(NT, C, K, BV, gdn)
     in_specs = [sp.chunk_k, sp.chunk_k, sp.chunk_k, sp.chunk_cc, sp.decay, sp.chunk_v,
                 sp.per_chunk, sp.per_chunk, sp.per_chunk]
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)

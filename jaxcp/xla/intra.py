@@ -56,7 +56,7 @@ def _causal_mask(n: int, inclusive: bool) -> jax.Array:
     return (i[:, None] >= i[None, :]) if inclusive else (i[:, None] > i[None, :])
 
 
-def _column(x, y_j, G, G_j, mask_j):
+def _column(G, G_j, mask_j):
     """E_ijd = exp(G_id - G_jd) on the rows i that see column j, else 0: [..., C, D]."""
     return jnp.exp(jnp.where(mask_j[:, None], G - G_j[..., None, :], -jnp.inf))
 
@@ -68,7 +68,7 @@ def _channel_gated_inner(x, y, G, inclusive):
     mask = _causal_mask(x.shape[-2], inclusive)
 
     def column(j, out):
-        e = _column(x, y[..., j, :], G, G[..., j, :], mask[:, j])
+        e = _column(G, G[..., j, :], mask[:, j])
         col = einsum("...id,...d->...i", x * e, y[..., j, :])
         return out.at[..., j].set(col)
 
@@ -87,7 +87,7 @@ def _channel_gated_inner_bwd(inclusive, res, ct):
     def column(j, grads):
         dx, dy, dG = grads
         y_j, ct_j = y[..., j, :], ct[..., :, j]
-        e = _column(x, y_j, G, G[..., j, :], mask[:, j])
+        e = _column(G, G[..., j, :], mask[:, j])
         ce = ct_j[..., None] * e                                  # [..., C, D]
         dx = dx + ce * y_j[..., None, :]
         dy = dy.at[..., j, :].set(jnp.sum(ce * x, axis=-2))
