@@ -1,14 +1,15 @@
 """The chunked delta rule as one custom_vjp, with the cross-device step inside it.
 
-Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V],
-g [NT, B, HV, C, Kg], beta [NT, B, HV, C], all float32; initial states [N, HV, K, V] or None.
+Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V]
+(float32, or bf16 for the Pallas GDN kernels), g [NT, B, HV, C, Kg], beta [NT, B, HV, C]
+float32; initial states [N, HV, K, V] float32 or None.
 
 Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
 Backward: recompute the intra-chunk terms and the chunk states from the saved entry state
           (nothing per chunk is stored), get the cotangent of this device's exit state
           (CP: local dS_ext, all-gather with M, suffix merge; or the relay), reverse state
-          recurrence, then the vjp of the intra-chunk terms.
+          recurrence, then the cotangents of the chunk inputs (``chunk_grads``).
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from jaxcp.cp.merge import merge_prefix, merge_suffix
 from jaxcp.layout import ChunkLayout
 from jaxcp.vma import match_cotangent, vary_like
 from jaxcp.stages import Stages, stages_for
-from jaxcp.xla import ChunkTerms, chunk_output, chunk_output_bwd, final_states, intra_chunk
-from jaxcp.xla.intra import einsum
+from jaxcp.xla import ChunkTerms
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,7 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
 def _forward(cfg, q, k, v, g, beta, init, layout):
     terms = cfg.stages.intra(q, k, v, g, beta, cfg.scale)
     s_in, m = _entry_state(cfg, terms, layout, init)
-    h, v_new, _ = cfg.stages.state_fwd(terms, layout, init, s_in)
-    o = chunk_output(terms.qg, terms.attn, h, v_new)
-    finals = final_states(terms, layout, h, v_new) if cfg.output_final_state else None
+    o, finals = cfg.stages.state_output(terms, layout, init, s_in, cfg.output_final_state)
     return (o, finals), (q, k, v, g, beta, init, layout, s_in, m)
 
 
@@ -106,30 +104,19 @@ def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layout: ChunkLayou
 def _backward(cfg, res, cts):
     q, k, v, g, beta, init, layout, s_in, m = res
     do, d_final = cts
-    terms, intra_vjp = jax.vjp(partial(intra_chunk, scale=cfg.scale), q, k, v, g, beta)
-    h, v_new, _ = cfg.stages.state_fwd(terms, layout, init, s_in)
+    st = cfg.stages
+    terms = st.intra(q, k, v, g, beta, cfg.scale)
+    h, v_new, _ = st.state_fwd(terms, layout, init, s_in)
     d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
-    _, dh_starts, x, dvn = cfg.stages.state_bwd(terms, layout, do, d_final, d_last)
-
-    d_decay = jnp.sum(h * x, axis=-1)
-    if terms.decay.shape[-1] == 1:
-        d_decay = jnp.sum(d_decay, axis=-1, keepdims=True)
-    d_qg, d_attn = chunk_output_bwd(do, h, v_new)
-    d_terms = ChunkTerms(
-        w=-einsum("...cv,...kv->...ck", dvn, h),
-        u=dvn,
-        qg=d_qg,
-        kd=einsum("...cv,...kv->...ck", v_new, x),
-        decay=d_decay,
-        attn=d_attn,
-    )
-    dq, dk, dv, dg, dbeta = intra_vjp(d_terms)
+    _, dh_starts, x, dvn = st.state_bwd(terms, layout, do, d_final, d_last)
+    dq, dk, dv, dg, dbeta = st.chunk_grads(q, k, v, g, beta, cfg.scale, h, v_new, x, dvn, do)
     d_init = None
     if init is not None:
         flat = dh_starts.reshape(-1, *dh_starts.shape[2:])
         d_init = jax.ops.segment_sum(flat, layout.chunk_seq.reshape(-1), init.shape[0])
         d_init = match_cotangent(d_init, init)
-    return dq, dk, dv, dg, dbeta, d_init, None
+    grads = tuple(d.astype(x.dtype) for d, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta)))
+    return *grads, d_init, None
 
 
 chunk_delta_rule.defvjp(_forward, _backward)

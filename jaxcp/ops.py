@@ -13,9 +13,10 @@ from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 
 
 def resolve_backend(backend: str | None) -> str:
-    """None picks "xla": the Pallas path has kernels for only part of the pipeline so far
-    (see ``jaxcp.stages``) and is not yet verified under CP on GPUs."""
-    return "xla" if backend is None else backend
+    """None picks "pallas" when JAX's default backend is a GPU, else "xla"."""
+    if backend is not None:
+        return backend
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
@@ -35,10 +36,15 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     HV = v.shape[2]
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = lambda x: x.astype(jnp.float32)
+    backend = resolve_backend(backend)
+    dot_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
+    # GDN's Pallas kernels read bf16 q, k, v as they are (half the bytes of the chunk layout)
+    io = jnp.bfloat16 if dot_dtype == "bfloat16" and backend != "xla" and kind == "gdn" else None
+    io = io or jnp.float32
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q), l2_normalize(k)
-    q, k = (jnp.repeat(x, HV // H, axis=2) for x in (q, k))
+    q, k = (jnp.repeat(x.astype(io), HV // H, axis=2) for x in (q, k))
     g = f32(g) if kind == "kda" else f32(g)[..., None]
 
     device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
@@ -48,9 +54,8 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy, backend=resolve_backend(backend),
-                     dot_dtype="bfloat16" if v.dtype == jnp.bfloat16 else "float32")
-    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(f32(v)), chunk(g),
+                     cp_strategy=cp_strategy, backend=backend, dot_dtype=dot_dtype)
+    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(io)), chunk(g),
                                 chunk(f32(beta)), init, layout)
     if final is not None and cp_axis is not None:
         final = lax.psum(final, cp_axis)
@@ -87,7 +92,8 @@ _DOC = """{title}
         one all-gather, a prefix merge), "all_to_all" (heads split over the axis; H must
         divide by its size) or "relay" (sequential hand-off of the state, a baseline).
       chunk_size: tokens per chunk, one of (16, 32, 64, 128).
-      backend: None (auto), "xla", "pallas" or "interpret".
+      backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode) or
+        None: "pallas" on a GPU, "xla" elsewhere.
 
     Returns:
       o [B, T, HV, V] in v's dtype, and final_state [N, HV, K, V] float32 or None.

@@ -1,9 +1,9 @@
 """Which implementation runs each stage of the chunked delta rule, per backend.
 
 "xla": everything in jnp (``jaxcp.xla``). "pallas" / "interpret": Pallas kernels
-(``jaxcp.pallas``), compiled for the GPU or run in interpret mode, for the chunk state
-recurrences (forward, backward, CP summary) and GDN's forward intra-chunk terms; KDA's
-intra-chunk terms, the output and the intra-chunk backward (a vjp of the jnp twin) stay in jnp.
+(``jaxcp.pallas``), compiled for the GPU or run in interpret mode: the chunk state
+recurrences (forward fused with the output, backward, CP summary) for both gates, and GDN's
+intra-chunk terms and input cotangents; KDA's (per-channel gate) stay in jnp.
 """
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from jaxcp import xla
 class Stages(NamedTuple):
     """The stage functions of one backend, with the signatures of ``jaxcp.xla``."""
     intra: Callable
+    state_output: Callable
     state_fwd: Callable
     state_last: Callable
     cp_summary: Callable
     state_bwd: Callable
+    chunk_grads: Callable
 
 
 @lru_cache(maxsize=None)
@@ -29,20 +31,30 @@ def stages_for(backend: str, dot_dtype: str = "float32") -> Stages:
     """dot_dtype: the operand dtype of the kernels' matrix products ("bfloat16" for bf16
     inputs, as FLA does; accumulation and the state stay float32)."""
     if backend == "xla":
-        return Stages(xla.intra_chunk, xla.state_fwd, xla.state_last, xla.cp_summary,
-                      xla.state_bwd)
+        return Stages(xla.intra_chunk, xla.state_output, xla.state_fwd, xla.state_last,
+                      xla.cp_summary, xla.state_bwd, xla.chunk_grads)
+    from jaxcp.pallas import grads as pallas_grads
     from jaxcp.pallas import intra as pallas_intra
     from jaxcp.pallas import state as pallas_state
 
     interpret = backend == "interpret"
+    precise = dot_dtype == "float32"
 
     def intra(q, k, v, g, beta, scale):
         if g.shape[-1] == 1:
             return pallas_intra.intra_chunk(q, k, v, g, beta, scale, interpret=interpret,
-                                            precise=dot_dtype == "float32")
+                                            precise=precise, out_dtype=jnp.dtype(dot_dtype))
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
+    def chunk_grads(q, k, v, g, beta, scale, *rest):
+        if g.shape[-1] == 1:
+            return pallas_grads.chunk_grads(q, k, v, g, beta, scale, *rest,
+                                            interpret=interpret, precise=precise)
+        return xla.chunk_grads(q, k, v, g, beta, scale, *rest)
+
     kw = dict(interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))
-    return Stages(intra, *(partial(f, **kw) for f in (
-        pallas_state.state_fwd, pallas_state.state_last, pallas_state.cp_summary,
-        pallas_state.state_bwd)))
+    state_output, state_fwd, state_last, cp_summary, state_bwd = (partial(f, **kw) for f in (
+        pallas_state.state_output, pallas_state.state_fwd, pallas_state.state_last,
+        pallas_state.cp_summary, pallas_state.state_bwd))
+    return Stages(intra, state_output, state_fwd, state_last, cp_summary, state_bwd,
+                  chunk_grads)

@@ -5,6 +5,7 @@ import pytest
 
 from jaxcp import xla
 from jaxcp.layout import build_layout, num_chunks, to_chunks
+from jaxcp.pallas import grads as pgrads
 from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import state as pstate
 from helpers import assert_rel, make_inputs
@@ -39,6 +40,21 @@ def test_state_fwd(kind, with_init):
     for name, a, b in zip(("h", "v_new", "last"), got, want):
         assert_rel(a, b, 1e-5, name)
     assert_rel(pstate.state_last(terms, layout, init, h0, interpret=True), want[2], 1e-5, "last")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("with_init", [True, False])
+def test_state_output(kind, with_init):
+    # the last device of two: sequence 0 ends on the device before, its final state is zero
+    terms, layout, init = chunk_terms(kind, [0, 50, 72, 90, 140], 70, with_init=with_init,
+                                      device=1, world=2)
+    h0 = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, 16, 32)), jnp.float32)
+    want = xla.state_output(terms, layout, init, h0, True)
+    got = pstate.state_output(terms, layout, init, h0, True, interpret=True)
+    assert float(jnp.abs(want[1][0]).max()) == 0.0
+    for name, a, b in zip(("o", "finals"), got, want):
+        assert_rel(a, b, 1e-5, name)
+    assert pstate.state_output(terms, layout, init, h0, False, interpret=True)[1] is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -77,4 +93,22 @@ def test_intra_chunk_gdn(C):
     want = xla.intra_chunk(*args, 0.25)
     got = pintra.intra_chunk(*args, 0.25, interpret=True)
     for name, a, b in zip(want._fields, got, want):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("C, V", [(16, 16), (64, 128)])
+def test_chunk_grads_gdn(C, V):
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, 32, V)
+    layout, tmap = build_layout(1, 70, C, None, 0, 70)
+    NT = num_chunks(70, C, None)
+    ch = lambda x: to_chunks(x, tmap, NT, C)
+    args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
+    rng = np.random.default_rng(5)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    # h, X [NT, B, HV, K, V]; v_new, dvn, do [NT, B, HV, C, V]
+    rest = (r(NT, 1, 2, 32, V), r(NT, 1, 2, C, V), r(NT, 1, 2, 32, V), r(NT, 1, 2, C, V),
+            r(NT, 1, 2, C, V))
+    want = xla.chunk_grads(*args, 0.25, *rest)
+    got = pgrads.chunk_grads(*args, 0.25, *rest, interpret=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, b, 1e-5, name)

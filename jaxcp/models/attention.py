@@ -7,6 +7,7 @@ from flax import nnx
 from jax import lax
 
 from jaxcp.layout import sequence_of
+from jaxcp.models.blockwise import blockwise_attention
 from jaxcp.models.enter import call_with_cp
 
 
@@ -23,6 +24,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class CausalSelfAttention(nnx.Module):
     """softmax(q k^T / sqrt(D) + causal/segment mask) v, q/k rotated by RoPE at each token's
     position inside its own sequence; num_kv_heads < num_heads shares K/V heads (GQA).
+    The softmax runs blockwise (``blockwise_attention``, query chunks and key blocks of
+    block_size tokens), so memory grows linearly in T.
 
     With cp_axis (inside shard_map, x is this device's slice of the sequence; outside one, the
     layer enters shard_map over the current mesh) K and V are all-gathered over the axis and the
@@ -32,7 +35,7 @@ class CausalSelfAttention(nnx.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float = 10000.0,
-                 cp_axis: str | None = None, *, rngs: nnx.Rngs):
+                 cp_axis: str | None = None, block_size: int = 1024, *, rngs: nnx.Rngs):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         if num_heads % self.num_kv_heads:
@@ -41,6 +44,8 @@ class CausalSelfAttention(nnx.Module):
         self.head_dim = head_dim or hidden_size // num_heads
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         lin = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
         self.q_proj = lin(hidden_size, num_heads * self.head_dim)
         self.k_proj = lin(hidden_size, self.num_kv_heads * self.head_dim)
@@ -48,6 +53,7 @@ class CausalSelfAttention(nnx.Module):
         self.o_proj = lin(num_heads * self.head_dim, hidden_size)
         self.rope_theta = rope_theta
         self.cp_axis = cp_axis
+        self.block_size = block_size
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
         return call_with_cp(self, self.cp_axis, x, cu_seqlens, CausalSelfAttention._forward)
@@ -67,6 +73,6 @@ class CausalSelfAttention(nnx.Module):
         if self.cp_axis is not None:
             gather = lambda a, axis: lax.all_gather(a, self.cp_axis, axis=axis, tiled=True)
             k, v, k_pos, k_seq = gather(k, 1), gather(v, 1), gather(pos, 0), gather(seq, 0)
-        mask = (pos[:, None] >= k_pos[None, :]) & (seq[:, None] == k_seq[None, :])
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+        o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
+                                block_k=self.block_size)
         return self.o_proj(o.reshape(B, T, -1))

@@ -31,7 +31,7 @@ class Block(nnx.Module):
 
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int,
                  intermediate_size: int, cp_axis: str | None, backend: str | None,
-                 *, rngs: nnx.Rngs):
+                 attn_block_size: int, *, rngs: nnx.Rngs):
         self.mixer_norm = RMSNorm(hidden_size)
         if kind == "gdn":
             self.mixer = GatedDeltaNet(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
@@ -41,7 +41,8 @@ class Block(nnx.Module):
                                             backend=backend, rngs=rngs)
         else:
             self.mixer = CausalSelfAttention(hidden_size, num_heads, head_dim=head_dim,
-                                             cp_axis=cp_axis, rngs=rngs)
+                                             cp_axis=cp_axis, block_size=attn_block_size,
+                                             rngs=rngs)
         self.mlp_norm = RMSNorm(hidden_size)
         self.mlp = SwiGLU(hidden_size, intermediate_size, rngs=rngs)
 
@@ -53,11 +54,14 @@ class Block(nnx.Module):
 class LM(nnx.Module):
     """tokens [B, T] int -> logits [B, T, vocab_size] float32.
 
-    layer_pattern: comma-separated mixers from MIXERS, one per block ("gdn,gdn,gdn,attn")."""
+    layer_pattern: comma-separated mixers from MIXERS, one per block ("gdn,gdn,gdn,attn").
+    backend: the GDN/KDA ops' backend (None: the library default); attn_block_size: the
+    attention layers' query/key block (CausalSelfAttention's block_size)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
                  head_dim: int, intermediate_size: int | None = None,
-                 cp_axis: str | None = None, backend: str | None = None, *, rngs: nnx.Rngs):
+                 cp_axis: str | None = None, backend: str | None = None,
+                 attn_block_size: int = 1024, *, rngs: nnx.Rngs):
         kinds = [k.strip() for k in layer_pattern.split(",") if k.strip()]
         bad = [k for k in kinds if k not in MIXERS]
         if not kinds or bad:
@@ -65,7 +69,7 @@ class LM(nnx.Module):
         self.embed = nnx.Embed(vocab_size, hidden_size, rngs=rngs)
         self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
                                       intermediate_size or 4 * hidden_size, cp_axis, backend,
-                                      rngs=rngs) for kind in kinds])
+                                      attn_block_size, rngs=rngs) for kind in kinds])
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
 

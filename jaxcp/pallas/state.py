@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxcp.layout import ChunkLayout
-from jaxcp.vma import unify
+from jaxcp.vma import unify, vary_like
 from jaxcp.xla.intra import ChunkTerms
 
 
@@ -106,24 +106,29 @@ def _setup(terms: ChunkTerms, cols: int):
 def _with_states(sp: _Specs, in_specs: list, args: list, seq_states, carry):
     """Append the optional per-sequence states [N, HV, K, cols] and the carried state
     [B, HV, K, cols], and unify their vma types. Returns (in_specs, args, out) where
-    out(*shape) is the fp32 ShapeDtypeStruct of an output."""
+    out(*shape, dtype=float32) is the ShapeDtypeStruct of an output."""
     if seq_states is not None:
         in_specs.append(sp.seq_state(seq_states.shape[0]))
         args.append(seq_states)
     in_specs.append(sp.state)
     args.append(carry)
     args, mat = unify(args)
-    return in_specs, args, lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32,
-                                                               manual_axis_type=mat)
+    return in_specs, args, lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(
+        shape, dtype, manual_axis_type=mat)
 
 
-def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h):
+def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_finals):
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
     u_ref = next(it) if has_u else None
+    qg_ref, attn_ref, ends_ref = (next(it) for _ in range(3)) if with_output else (None,) * 3
     init_ref = next(it) if has_init else None
     h0_ref = next(it)
+    if with_finals:
+        next(it)                                           # zeros, aliased to finals_ref
     h_ref, vn_ref = (next(it), next(it)) if store_h else (None, None)
+    o_ref = next(it) if with_output else None
+    finals_ref = next(it) if with_finals else None
     last_ref = next(it)
 
     def body(i, state):
@@ -138,37 +143,72 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h):
         v_new = u_ref[i] - w_s if has_u else -w_s
         if store_h:
             vn_ref[i] = v_new.astype(vn_ref.dtype)
-        return _decay(dec_ref, i, gdn) * state + _dot(kd_ref[i].T, v_new)
+        if with_output:
+            o_ref[i] = (_dot(qg_ref[i], state) + _dot(attn_ref[i], v_new)).astype(o_ref.dtype)
+        out = _decay(dec_ref, i, gdn) * state + _dot(kd_ref[i].T, v_new)
+        if with_finals:
+            @pl.when(ends_ref[i] != 0)
+            def _():
+                finals_ref[seq_ref[i]] = out
+        return out
 
     last_ref[...] = lax.fori_loop(0, nt, body, h0_ref[...].astype(jnp.float32))
 
 
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bool, store_h: bool,
-                 interpret: bool, dot_dtype):
+                 interpret: bool, dot_dtype, with_output: bool = False, with_finals: bool = False):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
-    the transition with u = 0)."""
+    the transition with u = 0); with_output adds o, with_finals the final states. Returns
+    the outputs in the order (h, v_new), o, finals, last state."""
     cols = h0.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols)
     has_init = init is not None
     grid = (B, HV, cols // BV)
     in_specs = [sp.chunk_k, sp.chunk_k, sp.decay, sp.per_chunk, sp.per_chunk]
-    w, kd, u = _tiles(dot_dtype, terms.w, terms.kd, terms.u)
+    w, kd, u, qg, attn = _tiles(dot_dtype, terms.w, terms.kd, terms.u, terms.qg, terms.attn)
     args = [w, kd, decay, layout.chunk_starts.astype(jnp.int32), layout.chunk_seq]
     if u_cols:
         in_specs.append(sp.chunk_v)
         args.append(u)
-    in_specs, args, f32 = _with_states(sp, in_specs, args, init, h0)
+    if with_output:
+        in_specs += [sp.chunk_k, sp.chunk_cc, sp.per_chunk]
+        args += [qg, attn, layout.chunk_ends.astype(jnp.int32)]
+    in_specs, args, struct = _with_states(sp, in_specs, args, init, h0)
+    n_seqs = layout.seq_ends_here.shape[0]
+    aliases = {}
+    if with_finals:
+        in_specs.append(sp.seq_state(n_seqs))
+        aliases = {len(args): (2 if store_h else 0) + int(with_output)}
+        args.append(vary_like(jnp.zeros((n_seqs, HV, K, cols), jnp.float32), args[0]))
     out_specs, out_shape = [], []
     if store_h:
         out_specs += [sp.chunk_state, sp.chunk_v]
-        out_shape += [f32(NT, B, HV, K, cols), f32(NT, B, HV, C, cols)]
+        out_shape += [struct(NT, B, HV, K, cols), struct(NT, B, HV, C, cols)]
+    if with_output:
+        out_specs.append(sp.chunk_v)
+        out_shape.append(struct(NT, B, HV, C, cols, dtype=terms.u.dtype))
+    if with_finals:
+        out_specs.append(sp.seq_state(n_seqs))
+        out_shape.append(struct(n_seqs, HV, K, cols))
     out_specs.append(sp.state)
-    out_shape.append(f32(B, HV, K, cols))
+    out_shape.append(struct(B, HV, K, cols))
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
-                     store_h=store_h)
-    tile_bytes = C * (2 * K + BV) * jnp.dtype(dot_dtype).itemsize
+                     store_h=store_h, with_output=with_output, with_finals=with_finals)
+    tile_bytes = C * (2 * K + BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, **_params(interpret, tile_bytes))(*args)
+                          out_shape=out_shape, input_output_aliases=aliases,
+                          **_params(interpret, tile_bytes))(*args)
+
+
+def state_output(terms, layout, init, h0, with_finals: bool, *, interpret=False,
+                 dot_dtype=jnp.float32):
+    """Twin of xla.output.state_output: the forward recurrence fused with the output
+    o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
+    the state after each sequence's last chunk (zero for sequences that end elsewhere).
+    Returns (o [NT, B, HV, C, V] in the dtype of u, finals [N, HV, K, V] or None)."""
+    out = _run_forward(terms, layout, init, h0, u_cols=True, store_h=False, interpret=interpret,
+                       dot_dtype=dot_dtype, with_output=True, with_finals=with_finals)
+    return out[0], (out[1] if with_finals else None)
 
 
 def state_fwd(terms, layout, init, h0, *, interpret=False, dot_dtype=jnp.float32):
@@ -236,13 +276,13 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
     args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_ends.astype(jnp.int32), layout.chunk_seq]
-    in_specs, args, f32 = _with_states(sp, in_specs, args, d_final, d_last)
+    in_specs, args, struct = _with_states(sp, in_specs, args, d_final, d_last)
     if entry_only:
-        out_specs, out_shape = sp.state, f32(B, HV, K, V)
+        out_specs, out_shape = sp.state, struct(B, HV, K, V)
     else:
         out_specs = [sp.chunk_state, sp.chunk_state, sp.chunk_v, sp.state]
-        out_shape = [f32(NT, B, HV, K, V), f32(NT, B, HV, K, V), f32(NT, B, HV, C, V),
-                     f32(B, HV, K, V)]
+        out_shape = [struct(NT, B, HV, K, V), struct(NT, B, HV, K, V), struct(NT, B, HV, C, V),
+                     struct(B, HV, K, V)]
     kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only)
     tile_bytes = C * (3 * K + C + BV) * jnp.dtype(dot_dtype).itemsize
     out = pl.pallas_call(kernel, grid=(B, HV, V // BV), in_specs=in_specs, out_specs=out_specs,

@@ -1,14 +1,17 @@
 """The chunked delta rule in pure jnp: the CPU default and the readable spec of every stage.
 
 ``intra`` (gate cumsum, gated inner products, WY w/u), ``state`` (forward and backward
-chunk recurrences, the CP summary), ``output`` (the chunk output). The Pallas kernels in
-``jaxcp.pallas`` are twins of these functions with the same signatures.
+chunk recurrences, the CP summary), ``output`` (the chunk output, and the forward state
+recurrence fused with it), ``grads`` (the cotangents of the chunk inputs). The Pallas
+kernels in ``jaxcp.pallas`` are twins of these functions with the same signatures.
 """
+from jaxcp.xla.grads import chunk_grads
 from jaxcp.xla.intra import ChunkTerms, chunk_local_cumsum, gated_inner, intra_chunk
-from jaxcp.xla.output import chunk_output, chunk_output_bwd
+from jaxcp.xla.output import chunk_output, state_output
 from jaxcp.xla.state import cp_summary, final_states, state_bwd, state_fwd, state_last
 
 __all__ = [
-    "ChunkTerms", "chunk_local_cumsum", "gated_inner", "intra_chunk", "chunk_output",
-    "chunk_output_bwd", "cp_summary", "final_states", "state_bwd", "state_fwd", "state_last",
+    "ChunkTerms", "chunk_grads", "chunk_local_cumsum", "gated_inner", "intra_chunk",
+    "chunk_output", "state_output", "cp_summary", "final_states", "state_bwd", "state_fwd",
+    "state_last",
 ]

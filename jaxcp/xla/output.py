@@ -1,12 +1,16 @@
-"""The chunk output in jnp, and the cotangents it sends back.
+"""The chunk output in jnp, alone and fused with the forward state recurrence.
 
 o_c = qg_c S_c + attn_c v_new_c, with qg [..., C, K], S [..., K, V], attn [..., C, C],
 v_new [..., C, V] -> o [..., C, V]: the inter-chunk part through the state entering the
 chunk, the intra-chunk part through the gated causal attention of the chunk.
 """
+from __future__ import annotations
+
 import jax
 
-from jaxcp.xla.intra import einsum
+from jaxcp.layout import ChunkLayout
+from jaxcp.xla.intra import ChunkTerms, einsum
+from jaxcp.xla.state import final_states, state_fwd
 
 
 def chunk_output(qg: jax.Array, attn: jax.Array, h: jax.Array, v_new: jax.Array) -> jax.Array:
@@ -14,7 +18,10 @@ def chunk_output(qg: jax.Array, attn: jax.Array, h: jax.Array, v_new: jax.Array)
     return einsum("...ck,...kv->...cv", qg, h) + einsum("...ij,...jv->...iv", attn, v_new)
 
 
-def chunk_output_bwd(do: jax.Array, h: jax.Array, v_new: jax.Array):
-    """Cotangents of qg and attn: (do h^T [..., C, K], do v_new^T [..., C, C]). The ones of h
-    and v_new enter the reverse state recurrence (state.state_bwd)."""
-    return einsum("...cv,...kv->...ck", do, h), einsum("...iv,...jv->...ij", do, v_new)
+def state_output(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                 h0: jax.Array, with_finals: bool):
+    """The forward pass after the intra-chunk terms: run the chunks from h0 [B, HV, K, V]
+    and return (o [NT, B, HV, C, V], final states [N, HV, K, V] or None)."""
+    h, v_new, _ = state_fwd(terms, layout, init, h0)
+    o = chunk_output(terms.qg, terms.attn, h, v_new)
+    return o, (final_states(terms, layout, h, v_new) if with_finals else None)

@@ -1,0 +1,35 @@
+"""Cotangents of the chunk inputs from the results of the reverse state recurrence, in jnp.
+
+Per chunk, with h the state entering it [K, V], v_new [C, V], X = dL/dS_out [K, V],
+dvn = dL/dv_new [C, V] and do [C, V], the cotangents of the ChunkTerms are
+
+    dw = -dvn h^T,  du = dvn,  dqg = do h^T,  dkd = v_new X^T,  dattn = do v_new^T,
+    ddecay = sum over V of (h o X)        (summed over K too for a scalar gate)
+
+and the intra-chunk stage's vjp (recomputed, nothing of the forward is stored) turns them
+into (dq, dk, dv, dg, dbeta).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxcp.xla.intra import ChunkTerms, einsum, intra_chunk
+
+
+def chunk_grads(q, k, v, g, beta, scale: float, h, v_new, x, dvn, do):
+    """(dq, dk, dv, dg, dbeta), shapes of q, k, v, g, beta, float32."""
+    d_decay = jnp.sum(h * x, axis=-1)
+    if g.shape[-1] == 1:
+        d_decay = jnp.sum(d_decay, axis=-1, keepdims=True)
+    d_terms = ChunkTerms(
+        w=-einsum("...cv,...kv->...ck", dvn, h),
+        u=dvn,
+        qg=einsum("...cv,...kv->...ck", do, h),
+        kd=einsum("...cv,...kv->...ck", v_new, x),
+        decay=d_decay,
+        attn=einsum("...iv,...jv->...ij", do, v_new),
+    )
+    return jax.vjp(partial(intra_chunk, scale=scale), q, k, v, g, beta)[1](d_terms)
