@@ -1,7 +1,7 @@
 """Pallas (Triton-lowered) intra-chunk terms of GDN, one program per (chunk, batch, head).
 
-Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1), same layout: q, k [NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, 1],
-beta [NT, B, HV, C].
+Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1), same layout: q, k
+[NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, 1], beta [NT, B, HV, C].
 
 Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
@@ -12,7 +12,9 @@ Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
     attn  = lower(scale (q_i . k_j) E_ij)
 
 The inverse is log2(C) - 1 squarings and as many products, all tensor-core dots (forward
-substitution would be C dependent row updates).
+substitution would be C dependent row updates). K and V are walked in blocks of 64 columns
+so that no [C, K] or [C, V] tile stays live across the kernel (at K = 256 they would not fit
+in registers).
 """
 from __future__ import annotations
 
@@ -30,20 +32,24 @@ from jaxcp.xla.intra import ChunkTerms
 
 
 class _Dots(NamedTuple):
-    """a @ b of fp32 tiles at two precisions: `plain` for the products, `inverse` for the
-    chain of products that builds (I + A)^-1 (rounding there compounds)."""
+    """a @ b with fp32 accumulation at three precisions: `native` for tiles as loaded (bf16
+    MMA for bf16 inputs), `plain` for fp32 tiles, `inverse` for the chain of products that
+    builds (I + A)^-1 (rounding there compounds)."""
+    native: callable
     plain: callable
     inverse: callable
 
 
 def _dots(precise: bool, interpret: bool) -> _Dots:
-    """precise: IEEE fp32 everywhere (fp32 inputs). Otherwise (bf16 inputs) TF32 products and
-    3xTF32 for the inverse. Interpret mode on the CPU computes IEEE fp32 in both cases."""
+    """precise: IEEE fp32 everywhere (fp32 inputs). Otherwise (bf16 inputs) bf16 products of
+    the inputs, TF32 for fp32 tiles and 3xTF32 for the inverse. Interpret mode on the CPU
+    computes IEEE fp32 for the fp32 tiles in both cases."""
     def dot(precision):
         return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     if precise or interpret:
-        return _Dots(dot(lax.Precision.HIGHEST), dot(lax.Precision.HIGHEST))
-    return _Dots(dot(None), dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+        exact = dot(lax.Precision.HIGHEST)
+        return _Dots(exact, exact, exact)
+    return _Dots(dot(None), dot(None), dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
 
 
 def _unit_lower_inverse(a, eye, dot):
@@ -57,49 +63,76 @@ def _unit_lower_inverse(a, eye, dot):
     return inv
 
 
-class _Chunk(NamedTuple):
-    """The forward quantities of one chunk that the backward reuses."""
-    G: jax.Array          # [C]
+def _cols(ref, j: int, n: int):
+    """Columns [j n, (j + 1) n) of a [rows, cols] tile ref."""
+    return ref.at[:, pl.ds(j * n, n)]
+
+
+def _col_blocks(d: int) -> int:
+    """Columns per step of the kernels' loops over K and V (keeps tiles in registers)."""
+    return min(d, 64)
+
+
+class _Gates(NamedTuple):
+    """Gate terms of one chunk, from g [C]: G = cumsum(g)."""
     eg: jax.Array         # exp(G) [C]
-    strict: jax.Array     # E masked to j < i [C, C]
-    causal: jax.Array     # E masked to j <= i [C, C]
-    kk: jax.Array         # k k^T [C, C]
-    a: jax.Array          # A [C, C]
-    inv: jax.Array        # T [C, C]
-    x: jax.Array          # beta exp(G) k [C, K]
     tail: jax.Array       # exp(G_C - G) [C]
+    last: jax.Array       # exp(G_C) []
+    strict: jax.Array     # exp(G_i - G_j) for j < i, else 0 [C, C]
+    causal: jax.Array     # exp(G_i - G_j) for j <= i, else 0 [C, C]
 
 
-def _chunk(k, g, beta, dots: _Dots) -> _Chunk:
-    """The parts of one chunk's forward that do not involve q or v."""
-    C = k.shape[0]
+def _gates(g) -> _Gates:
+    C = g.shape[0]
     G = jnp.cumsum(g)
     rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     cols = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     diff = G[:, None] - G[None, :]
     strict = jnp.exp(jnp.where(rows > cols, diff, -jnp.inf))
     causal = jnp.exp(jnp.where(rows >= cols, diff, -jnp.inf))
-    kk = dots.plain(k, k.T)
-    a = beta[:, None] * kk * strict
-    inv = _unit_lower_inverse(a, jnp.where(rows == cols, 1.0, 0.0), dots.inverse)
-    eg = jnp.exp(G)
-    return _Chunk(G, eg, strict, causal, kk, a, inv, k * (beta * eg)[:, None],
-                  jnp.exp(jnp.sum(g) - G))
+    total = jnp.sum(g)
+    return _Gates(jnp.exp(G), jnp.exp(total - G), jnp.exp(total), strict, causal)
 
 
-def _load(*refs):
-    return [r[...].astype(jnp.float32) for r in refs]
+def _gram(x_ref, y_ref, dots: _Dots, bk: int):
+    """x y^T over the columns of two [C, K] tile refs, in blocks of bk columns."""
+    acc = None
+    for j in range(x_ref.shape[-1] // bk):
+        term = dots.native(_cols(x_ref, j, bk)[...], _cols(y_ref, j, bk)[...].T)
+        acc = term if acc is None else acc + term
+    return acc
+
+
+def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int):
+    """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij); also returns k k^T."""
+    kk = _gram(k_ref, k_ref, dots, bk)
+    C = kk.shape[0]
+    eye = jnp.where(lax.broadcasted_iota(jnp.int32, (C, C), 0)
+                    == lax.broadcasted_iota(jnp.int32, (C, C), 1), 1.0, 0.0)
+    return _unit_lower_inverse(beta[:, None] * kk * gates.strict, eye, dots.inverse), kk
+
+
+def _f32(ref):
+    return ref[...].astype(jnp.float32)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, attn_ref,
                   *, scale, dots):
-    q, k, v, g, beta = _load(q_ref, k_ref, v_ref, g_ref, beta_ref)
-    c = _chunk(k, g, beta, dots)
-    w_ref[...] = dots.plain(c.inv, c.x).astype(w_ref.dtype)
-    u_ref[...] = dots.plain(c.inv, v * beta[:, None]).astype(u_ref.dtype)
-    qg_ref[...] = (q * (c.eg * scale)[:, None]).astype(qg_ref.dtype)
-    kd_ref[...] = (k * c.tail[:, None]).astype(kd_ref.dtype)
-    attn_ref[...] = (dots.plain(q, k.T) * c.causal * scale).astype(attn_ref.dtype)
+    g, beta = _f32(g_ref), _f32(beta_ref)
+    gates = _gates(g)
+    bk, bv = _col_blocks(k_ref.shape[-1]), _col_blocks(v_ref.shape[-1])
+    attn_ref[...] = (_gram(q_ref, k_ref, dots, bk) * gates.causal * scale).astype(attn_ref.dtype)
+    inv, _ = _inverse(k_ref, beta, gates, dots, bk)
+    for j in range(k_ref.shape[-1] // bk):
+        k = _f32(_cols(k_ref, j, bk))
+        w = dots.plain(inv, k * (beta * gates.eg)[:, None])
+        _cols(w_ref, j, bk)[...] = w.astype(w_ref.dtype)
+        qg = _f32(_cols(q_ref, j, bk)) * (gates.eg * scale)[:, None]
+        _cols(qg_ref, j, bk)[...] = qg.astype(qg_ref.dtype)
+        _cols(kd_ref, j, bk)[...] = (k * gates.tail[:, None]).astype(kd_ref.dtype)
+    for j in range(v_ref.shape[-1] // bv):
+        u = dots.plain(inv, _f32(_cols(v_ref, j, bv)) * beta[:, None])
+        _cols(u_ref, j, bv)[...] = u.astype(u_ref.dtype)
 
 
 def _specs(C: int):

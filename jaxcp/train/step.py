@@ -6,6 +6,7 @@ need no gather; the gradient of a replicated input of shard_map is summed over t
 The loss is the mean cross-entropy over the masked target positions of the whole global batch
 (sums are psum-ed over both axes inside shard_map). Compute runs in `compute_dtype` (matrices
 cast from the float32 master parameters; vectors such as A_log, dt_bias and norms stay float32).
+check_vma is shard_map's (the "interpret" backend needs False inside shard_map).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _compute_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, params)
 
 
-def make_loss(graph, mesh: Mesh, compute_dtype=jnp.float32) -> Callable:
+def make_loss(graph, mesh: Mesh, compute_dtype=jnp.float32, check_vma: bool = True) -> Callable:
     """loss(params, batch) -> (mean masked cross-entropy, accuracy on the masked positions)."""
     def local(params, batch: Batch):
         model = nnx.merge(graph, _compute_params(params, compute_dtype))
@@ -48,13 +49,13 @@ def make_loss(graph, mesh: Mesh, compute_dtype=jnp.float32) -> Callable:
 
     spec = P(*AXES)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), Batch(spec, spec, spec)),
-                         out_specs=(P(), P()))
+                         out_specs=(P(), P()), check_vma=check_vma)
 
 
 def make_train_step(graph, mesh: Mesh, tx: optax.GradientTransformation,
-                    compute_dtype=jnp.float32) -> Callable:
+                    compute_dtype=jnp.float32, check_vma: bool = True) -> Callable:
     """step(params, opt_state, batch) -> (params, opt_state, loss, accuracy), jitted."""
-    loss = make_loss(graph, mesh, compute_dtype)
+    loss = make_loss(graph, mesh, compute_dtype, check_vma)
 
     @jax.jit
     def step(params, opt_state, batch):
