@@ -30,6 +30,7 @@ def main(argv=None):
     import jax.numpy as jnp
     from jax.experimental.pallas import triton as pltriton
     import jaxcp
+    from jaxcp import xla
     from jaxcp.layout import build_layout, num_chunks, to_chunks
     from jaxcp.pallas import grads as pgrads
     from jaxcp.pallas import intra as pintra
@@ -69,18 +70,23 @@ def main(argv=None):
         t, layout, d, None, h0, dot_dtype=bf16), terms, do)
     timed("chunk_grads", lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], precise=False),
           *chunks, h, vn, x, dvn, do)
+    f32 = lambda x: x.astype(jnp.float32)
+    timed("variant: chunk_grads (xla)", lambda *xs: xla.chunk_grads(
+        *map(f32, xs[:5]), scale, *map(f32, xs[5:])), *chunks, h, vn, x, dvn, do)
 
     for bv in (32, 16):
         pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
         timed(f"variant: state_output BV={bv}", lambda t: pstate.state_output(
             t, layout, None, h0, False, dot_dtype=bf16)[0], terms)
-    for warps in (8,):
-        params = lambda interpret, tile_bytes, w=warps: {
+    for warps in (8, 4):
+        params = lambda interpret, *_, w=warps: {
             "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=1)}
         pintra._params, pgrads._params = params, params
-        timed(f"variant: intra_chunk {warps} warps", lambda *xs: intra(*xs), *chunks)
-        timed(f"variant: chunk_grads {warps} warps", lambda *xs: pgrads.chunk_grads(
-            *xs[:5], scale, *xs[5:], precise=False), *chunks, h, vn, x, dvn, do)
+        if warps != 4:
+            timed(f"variant: intra_chunk {warps} warps", lambda *xs: intra(*xs), *chunks)
+        else:
+            timed(f"variant: chunk_grads {warps} warps", lambda *xs: pgrads.chunk_grads(
+                *xs[:5], scale, *xs[5:], precise=False), *chunks, h, vn, x, dvn, do)
 
     import importlib
     for mod in (pstate, pintra, pgrads):

@@ -5,9 +5,14 @@
     python scripts/train.py --data notes.txt                 # byte-level LM on a text file
     python scripts/train.py --run-dir runs/a --resume        # continue from the last checkpoint
 
-On a machine without GPUs it creates as many fake CPU devices as the mesh needs. Writes
-metrics.jsonl, a loss/accuracy plot (curves.png) and orbax checkpoints into --run-dir; the
-last line printed is one JSON object with step, loss, eval_accuracy and tokens_per_s.
+On a machine without GPUs it creates as many fake CPU devices as the mesh needs. Writes into
+--run-dir: config.json at the start (the command, the parsed flags, the GDN/KDA backend that
+runs, devices and versions), metrics.jsonl (a record at every eval step and the last step), a
+loss/accuracy plot (curves.png), orbax checkpoints and summary.json. The last line printed is
+summary.json's object: step, loss, eval_accuracy (null without eval), step_ms (median wall time
+of the train steps after the first, which compiles), tokens_per_s and tokens_per_s_per_device
+(global tokens of a step / step_ms), peak_mem_gib (peak bytes in use, max over the mesh's
+devices, GiB; null where the backend does not report it), elapsed_s.
 """
 from __future__ import annotations
 
@@ -15,9 +20,13 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
+import statistics
 import sys
 import time
+
+ENV_RECORDED = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -54,17 +63,24 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="compute dtype (parameters stay float32)")
+    ap.add_argument("--backend", default=None, choices=["xla", "pallas", "interpret"],
+                    help="GDN/KDA backend (default: the library's)")
+    ap.add_argument("--attn-block", type=int, default=1024,
+                    help="attention query/key block size (tokens)")
     ap.add_argument("--data", default=None, help="train a byte-level LM on this text file")
     ap.add_argument("--run-dir", default="runs/train")
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=50, help="0: no eval")
+    ap.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "hidden", "heads", "head_dim", "vocab",
-                 "eval_every", "ckpt_every"):
+                 "attn_block"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("eval_every", "ckpt_every"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
     data, seq = args.mesh
     if args.batch % data:
         ap.error(f"--batch {args.batch} must be divisible by the data axis {data}")
@@ -81,9 +97,27 @@ def parse_args(argv=None):
     return args, ap
 
 
+def peak_memory_gib(devices) -> float | None:
+    """Peak bytes in use, max over devices, in GiB; None where no device reports it."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = [p for p in peaks if p is not None]
+    return round(max(peaks) / 2**30, 3) if peaks else None
+
+
+def speed(step_times: list[float], tokens_per_step: int, n_devices: int) -> dict:
+    """step_ms (median), tokens_per_s and tokens_per_s_per_device; None without timed steps."""
+    if not step_times:
+        return dict(step_ms=None, tokens_per_s=None, tokens_per_s_per_device=None)
+    median = statistics.median(step_times)
+    return dict(step_ms=round(1e3 * median, 2), tokens_per_s=round(tokens_per_step / median, 1),
+                tokens_per_s_per_device=round(tokens_per_step / median / n_devices, 1))
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, ap = parse_args(argv)
     data, seq = args.mesh
+    env = {k: os.environ[k] for k in ENV_RECORDED if k in os.environ}
     if shutil.which("nvidia-smi") is None:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -96,6 +130,7 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh
 
     from jaxcp.models import LM
+    from jaxcp.ops import resolve_backend
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
                              replicate, shard_batch)
 
@@ -104,14 +139,16 @@ def main(argv=None) -> int:
     mesh = Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
     try:
         model = LM(args.vocab, args.hidden, args.layers, args.heads, args.head_dim,
-                   cp_axis="seq" if seq > 1 else None, rngs=nnx.Rngs(args.seed))
+                   cp_axis="seq" if seq > 1 else None, backend=args.backend,
+                   attn_block_size=args.attn_block, rngs=nnx.Rngs(args.seed))
     except ValueError as e:
         ap.error(str(e))
     graph, params = nnx.split(model)
     tx = make_optimizer(args.lr, args.warmup, args.steps)
     dtype = jnp.dtype(args.dtype)
-    step_fn = make_train_step(graph, mesh, tx, dtype)
-    eval_fn = jax.jit(make_loss(graph, mesh, dtype))
+    check_vma = args.backend != "interpret"
+    step_fn = make_train_step(graph, mesh, tx, dtype, check_vma=check_vma)
+    eval_fn = jax.jit(make_loss(graph, mesh, dtype, check_vma=check_vma))
     params = replicate(params, mesh)
     opt_state = replicate(tx.init(params), mesh)
 
@@ -125,13 +162,26 @@ def main(argv=None) -> int:
             return Batch(jnp.asarray(window[:, :-1]), jnp.asarray(window[:, 1:]),
                          jnp.ones((args.batch, args.seq_len), jnp.float32))
     else:
+        @jax.jit
         def batch_at(key):
             return mqar_batch(key, args.batch, args.seq_len, args.vocab, args.pairs)
 
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    ckpt = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    devices = mesh.devices.flatten().tolist()
+    config = dict(command=shlex.join(["python", "scripts/train.py", *argv]), argv=argv, env=env,
+                  args={k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+                  backend=resolve_backend(args.backend), n_devices=len(devices), platform=devices[0].platform,
+                  device_kind=devices[0].device_kind, jax_version=jax.__version__)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary_path):
+        os.remove(summary_path)
+    ckpt = None
+    if args.ckpt_every > 0 or args.resume:
+        ckpt = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
+                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
     if args.resume:
         last = ckpt.latest_step()
@@ -149,34 +199,51 @@ def main(argv=None) -> int:
     base = jax.random.key(args.seed)
     eval_key = jax.random.fold_in(base, 1 << 30)
     tokens_per_step = args.batch * args.seq_len
-    record = {}
-    t_start, t_last, tokens_seen = time.perf_counter(), time.perf_counter(), 0
+    every = lambda n, step: (n > 0 and step % n == 0) or step == args.steps
+    record = dict(step=start, loss=math.nan, eval_accuracy=None)
+    all_times, recent = [], []
+    t_start = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
-        batch = shard_batch(batch_at(jax.random.fold_in(base, step)), mesh)
-        params, opt_state, loss, acc = step_fn(params, opt_state, batch)
-        tokens_seen += tokens_per_step
-        if step % args.eval_every == 0 or step == args.steps:
-            loss = float(loss)
-            _, eval_acc = eval_fn(params, shard_batch(batch_at(eval_key), mesh))
-            now = time.perf_counter()
-            record = dict(step=step, loss=round(loss, 5), eval_accuracy=round(float(eval_acc), 4),
-                          tokens_per_s=round(tokens_seen / (now - t_last), 1),
-                          elapsed_s=round(now - t_start, 1))
-            t_last, tokens_seen = now, 0
+        batch = jax.block_until_ready(shard_batch(batch_at(jax.random.fold_in(base, step)), mesh))
+        t0 = time.perf_counter()
+        params, opt_state, loss, _ = jax.block_until_ready(step_fn(params, opt_state, batch))
+        if step > start + 1:
+            all_times.append(time.perf_counter() - t0)
+            recent.append(all_times[-1])
+        if every(args.eval_every, step):
+            eval_acc = None
+            if args.eval_every > 0:
+                _, acc = eval_fn(params, shard_batch(batch_at(eval_key), mesh))
+                eval_acc = round(float(acc), 4)
+            record = dict(step=step, loss=round(float(loss), 5), eval_accuracy=eval_acc,
+                          **speed(recent, tokens_per_step, len(devices)),
+                          peak_mem_gib=peak_memory_gib(devices),
+                          elapsed_s=round(time.perf_counter() - t_start, 1))
+            recent = []
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            bar = "#" * int(30 * step / args.steps)
-            print(f"\r[{bar:<30}] step {step}/{args.steps} loss {loss:.4f} "
-                  f"eval acc {record['eval_accuracy']:.3f} {record['tokens_per_s']:.0f} tok/s",
-                  end="\n", file=sys.stderr, flush=True)
-        if step % args.ckpt_every == 0 or step == args.steps:
+            _progress(record, args.steps)
+        if args.ckpt_every > 0 and every(args.ckpt_every, step):
             ckpt.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    ckpt.wait_until_finished()
+    if ckpt is not None:
+        ckpt.wait_until_finished()
     _plot(metrics_path, os.path.join(run_dir, "curves.png"))
-    if not record:
-        record = dict(step=start, loss=math.nan, eval_accuracy=math.nan, tokens_per_s=0.0)
-    print(json.dumps(record))
+    summary = dict(record, **speed(all_times, tokens_per_step, len(devices)),
+                   timed_steps=len(all_times), peak_mem_gib=peak_memory_gib(devices),
+                   elapsed_s=round(time.perf_counter() - t_start, 1))
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary))
     return 0
+
+
+def _progress(record: dict, steps: int) -> None:
+    """One progress line on stderr."""
+    bar = "#" * int(30 * record["step"] / steps)
+    acc = "-" if record["eval_accuracy"] is None else f"{record['eval_accuracy']:.3f}"
+    tps = "-" if record["tokens_per_s"] is None else f"{record['tokens_per_s']:.0f}"
+    print(f"[{bar:<30}] step {record['step']}/{steps} loss {record['loss']:.4f} "
+          f"eval acc {acc} {tps} tok/s", file=sys.stderr, flush=True)
 
 
 def _plot(metrics_path: str, out: str) -> None:
@@ -197,7 +264,8 @@ def _plot(metrics_path: str, out: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax2 = ax.twinx()
-    ax2.plot(steps, [r["eval_accuracy"] for r in rows], color="tab:orange", label="eval accuracy")
+    ax2.plot(steps, [math.nan if r["eval_accuracy"] is None else r["eval_accuracy"] for r in rows],
+             color="tab:orange", label="eval accuracy")
     ax2.set_ylabel("eval accuracy")
     ax2.set_ylim(0, 1)
     fig.legend(loc="upper center", ncol=2)

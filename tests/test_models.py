@@ -90,8 +90,9 @@ def test_kimi_delta_attention_cp(safe_gate):
 
 @pytest.mark.parametrize("cu", [None, [0, 5, 30, 31, 48]])
 def test_causal_self_attention_cp(cu):
+    """Blocks of 5 tokens: several query chunks and key blocks per device, ragged last ones."""
     compare_cp(lambda ax: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, cp_axis=ax,
-                                              rngs=nnx.Rngs(0)), 4, 48, cu)
+                                              block_size=5, rngs=nnx.Rngs(0)), 4, 48, cu)
 
 
 def test_attention_is_per_sequence():

@@ -1,6 +1,8 @@
-"""The training step: CP == no CP on (2, 2) and (1, 4) meshes; MQAR data."""
+"""The training step: CP == no CP on (2, 2) and (1, 4) meshes, float32 and bfloat16 compute;
+MQAR data; the train script."""
 import numpy as np
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
@@ -16,17 +18,17 @@ def mesh_of(data, seq):
     return Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
 
 
-def two_steps(data, seq, cp):
+def train_steps(data, seq, cp, steps=2, dtype=jnp.float32):
     mesh = mesh_of(data, seq)
     model = LM(VOCAB, 32, "gdn,attn", 2, 16, 64, cp_axis="seq" if cp else None,
                rngs=nnx.Rngs(0))
     graph, params = nnx.split(model)
     tx = make_optimizer(1e-2, 1, 10)
-    step = make_train_step(graph, mesh, tx)
+    step = make_train_step(graph, mesh, tx, dtype)
     params = replicate(params, mesh)
     opt_state = replicate(tx.init(params), mesh)
     losses = []
-    for i in range(2):
+    for i in range(steps):
         batch = shard_batch(mqar_batch(jax.random.key(i), 2, 32, VOCAB, 4), mesh)
         params, opt_state, loss, _ = step(params, opt_state, batch)
         losses.append(loss)
@@ -35,13 +37,25 @@ def two_steps(data, seq, cp):
 
 @pytest.mark.parametrize("data,seq", [(2, 2), (1, 4)])
 def test_train_step_cp_equals_no_cp(data, seq):
-    losses_cp, params_cp = two_steps(data, seq, cp=True)
-    losses, params = two_steps(data, 1, cp=False)
+    losses_cp, params_cp = train_steps(data, seq, cp=True)
+    losses, params = train_steps(data, 1, cp=False)
     for a, b in zip(losses_cp, losses):
         assert_rel(a, b, 1e-4, "loss")
     for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(params_cp),
                                  jax.tree_util.tree_leaves_with_path(params)):
         assert_rel(a, b, 1e-4, f"updated {jax.tree_util.keystr(path)}")
+
+
+def test_bf16_train_step_cp_equals_no_cp():
+    """bfloat16 compute (float32 master parameters), CP on (1, 4) vs one device; two steps, as
+    the warmup's first learning rate is 0 (NaN fails assert_rel)."""
+    losses_cp, params_cp = train_steps(1, 4, cp=True, dtype=jnp.bfloat16)
+    losses, params = train_steps(1, 1, cp=False, dtype=jnp.bfloat16)
+    for a, b in zip(losses_cp, losses):
+        assert_rel(a, b, 1e-2, "loss")
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(params_cp),
+                                 jax.tree_util.tree_leaves_with_path(params)):
+        assert_rel(a, b, 1e-2, f"updated {jax.tree_util.keystr(path)}")
 
 
 def test_mqar_batch_layout():
@@ -80,6 +94,14 @@ def test_train_script_resume_continues_the_trajectory(tmp_path):
     end = lambda r: json.loads(r.stdout.strip().splitlines()[-1])
     assert end(straight)["step"] == end(resumed)["step"] == 6
     np.testing.assert_allclose(end(resumed)["loss"], end(straight)["loss"], rtol=1e-5)
+    summary = end(straight)
+    assert summary["timed_steps"] == 5 and summary["step_ms"] > 0
+    np.testing.assert_allclose(summary["tokens_per_s"], 4 * 32 / (summary["step_ms"] / 1e3),
+                               rtol=1e-2)
+    assert summary["peak_mem_gib"] is None                      # the CPU reports no peak
+    assert json.loads((tmp_path / "a" / "summary.json").read_text()) == summary
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["command"].endswith(f"--steps 6 --run-dir {tmp_path / 'a'}")
     assert (tmp_path / "b" / "curves.png").exists()
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
 
@@ -87,6 +109,8 @@ def test_train_script_resume_continues_the_trajectory(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--mesh", "data=1,pipe=2"], "--mesh"),
     (["--steps", "0"], "--steps"),
+    (["--eval-every", "-1"], "--eval-every"),
+    (["--backend", "triton"], "--backend"),
     (["--data", "/nonexistent/file.txt"], "--data"),
 ])
 def test_train_script_bad_flags(args, message):

@@ -32,17 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from jaxcp.pallas.intra import _col_blocks, _cols, _dots, _f32, _gates, _gram, _inverse, _specs
+from jaxcp.pallas.state import _params
 from jaxcp.vma import unify
-
-
-def _params(interpret: bool):
-    """Eight warps: the [C, C] tiles of this kernel spill at four."""
-    if interpret:
-        return {"interpret": True}
-    return {"compiler_params": pltriton.CompilerParams(num_warps=8, num_stages=1)}
 
 
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dvn_ref, do_ref,
@@ -121,5 +114,5 @@ def chunk_grads(q, k, v, g, beta, scale: float, h, v_new, x, dvn, do, *,
         in_specs=[tile(K), tile(K), tile(V), vec, vec, state, tile(V), state, tile(V), tile(V)],
         out_specs=[tile(K), tile(K), tile(V), vec, vec],
         out_shape=[out(C, K), out(C, K), out(C, V), out(C), out(C)],
-        **_params(interpret))(*args)
+        **_params(interpret, 0))(*args)
     return dq, dk, dv, dg[..., None], dbeta

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Train the GDN hybrid LM (gdn,gdn,gdn,attn, hidden 1024, 8 heads of 128) on 65536-token
+# sequences on a 4-GPU machine, with and without context parallelism, and tabulate the runs:
+#
+#   bash scripts/gpu_train_runs.sh OUT_DIR
+#
+#   cp4     --mesh data=1,seq=4 --batch 1   one sequence split over 4 GPUs (CP)
+#   single  --mesh data=1,seq=1 --batch 1   the whole sequence on one GPU (no CP)
+#   dp4     --mesh data=4,seq=1 --batch 4   one sequence per GPU (data parallel, no CP)
+#
+# Each run writes into OUT_DIR/<name>/ (stdout.log, train.log with stderr); a failed run (out
+# of memory, say) does not stop the others. Then scripts/report_train.py tabulates every run
+# directory in OUT_DIR into $REPORT (default docs/benchmarks/train.md). The exit status is 1 if
+# a run failed. Environment:
+#   RUNS="cp4 single dp4"   the runs to do, in order
+#   BACKEND=pallas          --backend for the GDN layers (default: the library's)
+#   EXTRA="..."             train.py flags appended to each run (the last of a flag wins), e.g.
+#                           EXTRA="--seq-len 256 --hidden 64 --heads 2 --head-dim 32 --steps 3"
+#   RUN_TIMEOUT=900         seconds per run (default: none)
+#   PYTHON=.venv/bin/python
+set -u
+cd "$(dirname "$0")/.."
+out=${1:?usage: bash scripts/gpu_train_runs.sh OUT_DIR}
+py=${PYTHON:-.venv/bin/python}
+report=${REPORT:-docs/benchmarks/train.md}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+common=(--layers gdn,gdn,gdn,attn --hidden 1024 --heads 8 --head-dim 128 --seq-len 65536
+        --dtype bfloat16 --steps 12 --eval-every 0 --ckpt-every 0)
+if [ -n "${BACKEND:-}" ]; then common+=(--backend "$BACKEND"); fi
+read -r -a extra <<< "${EXTRA:-}"
+
+first_gpu=${CUDA_VISIBLE_DEVICES:-0}
+first_gpu=${first_gpu%%,*}
+failed=0
+run() {  # run NAME TRAIN_FLAGS...
+  local name=$1 dir=$out/$1
+  shift
+  mkdir -p "$dir"
+  echo "== $name" >&2
+  if timeout "${RUN_TIMEOUT:-0}" "$py" scripts/train.py "${common[@]}" "$@" \
+      ${extra[@]+"${extra[@]}"} --run-dir "$dir" >"$dir/stdout.log" 2>"$dir/train.log"; then
+    tail -n 1 "$dir/stdout.log" >&2
+  else
+    echo "$name failed (exit $?): $(tail -n 1 "$dir/train.log")" >&2
+    failed=1
+  fi
+}
+
+for name in ${RUNS:-cp4 single dp4}; do
+  case $name in
+    cp4) run cp4 --mesh data=1,seq=4 --batch 1 ;;
+    single) CUDA_VISIBLE_DEVICES=$first_gpu run single --mesh data=1,seq=1 --batch 1 ;;
+    dp4) run dp4 --mesh data=4,seq=1 --batch 4 ;;
+    *) echo "unknown run $name (cp4, single, dp4)" >&2; exit 2 ;;
+  esac
+done
+
+"$py" scripts/report_train.py "$out"/*/ --out "$report" || failed=1
+exit $failed
