@@ -68,9 +68,12 @@ def main(argv=None) -> int:
     if args.varlen == "none":
         cu = None
     elif args.varlen == "auto":
-        # a 1-token sequence, one ending on a device boundary, ones crossing 1, 2 and 3+ devices
+        # a 1-token sequence, sequences crossing 1 and (W >= 4) 2 and 3+ device boundaries,
+        # and (W > 2) one ending on a device boundary
         tl = T // W
-        points = {1, tl, tl + 5, min(T - 1, 3 * tl + tl // 2), min(T - 1, 3 * tl + tl // 2 + 1)}
+        points = {1, tl // 2, min(T - 1, 3 * tl + tl // 2), min(T - 1, 3 * tl + tl // 2 + 1)}
+        if W > 2:
+            points |= {2 * tl, 2 * tl + 5}
         cu = sorted(p for p in points if 0 < p < T)
         cu = [0] + cu + [T]
     else:
