@@ -87,7 +87,8 @@ def fla_worker(T: int, H: int, D: int, iters: int) -> None:
     dist.destroy_process_group()
 
 
-def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend) -> list[dict]:
+def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
+              done=lambda records: None) -> list[dict]:
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -125,6 +126,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend) -
                                     **{"pass": passes}, ms=ms, device=devices[0].device_kind,
                                     impl=f"jaxcp-{backend}"))
                 print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} {ms:9.3f} ms", flush=True)
+                done(records)
     return records
 
 
@@ -202,11 +204,17 @@ def main(argv=None) -> int:
         else:
             print(f"FLA not run (exit {child.returncode})", flush=True)
     import jax
+
+    def save(jaxcp_records=()):
+        # after every measurement, so that a run cut short keeps what it measured
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            json.dump(records + list(jaxcp_records), open(args.json, "w"), indent=1)
+
+    save()
     records += run_jaxcp(args.T, args.H, args.D, W or len(jax.devices()), args.iters,
-                         args.strategies.split(","), args.backend)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        json.dump(records, open(args.json, "w"), indent=1)
+                         args.strategies.split(","), args.backend, save)
+    save()
     return 0
 
 

@@ -72,7 +72,7 @@ def run_fla(configs, iters: int) -> list[dict]:
     return out
 
 
-def run_jaxcp(configs, impls, iters: int, fla_version: str) -> list[dict]:
+def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None) -> list[dict]:
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -104,6 +104,7 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str) -> list[dict]:
                 out.append(dict(op="gdn", impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
                                 ms=ms, device=device, jax=jax.__version__, fla=fla_version))
                 print(f"{impl} T={T} H={H} D={D} {passes}: {ms:.3f} ms", flush=True)
+                done(out)
     return out
 
 
@@ -190,10 +191,16 @@ def main(argv=None) -> int:
             fla_version = fla_records[0]["fla"] if fla_records else fla_version
         else:
             print(f"FLA not run (exit {child.returncode}); see its messages above", flush=True)
-    records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        json.dump(records, open(args.json, "w"), indent=1)
+
+    def save(jaxcp_records=()):
+        # after every measurement, so that a run cut short keeps what it measured
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            json.dump(records + list(jaxcp_records), open(args.json, "w"), indent=1)
+
+    save()
+    records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version, save)
+    save()
     print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
     for r in records:
         print(f"{r['impl']:13} {r['T']:>6} {r['H']:>3} {r['K']:>4} {r['pass']:8} {r['ms']:9.3f}")

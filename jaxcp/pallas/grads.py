@@ -30,7 +30,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.intra import _col_blocks, _cols, _dots, _f32, _gates, _gram, _inverse, _specs
@@ -45,7 +44,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dv
     dot = dots.plain
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     bk, bv = _col_blocks(K), _col_blocks(V)
-    inv, _ = _inverse(k_ref, beta, gates, dots, bk)
+    inv = _inverse(k_ref, beta, gates, dots, bk)
 
     dattn = da = dbeta = None
     for j in range(V // bv):

@@ -104,12 +104,12 @@ def _gram(x_ref, y_ref, dots: _Dots, bk: int):
 
 
 def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int):
-    """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij); also returns k k^T."""
+    """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij)."""
     kk = _gram(k_ref, k_ref, dots, bk)
     C = kk.shape[0]
     eye = jnp.where(lax.broadcasted_iota(jnp.int32, (C, C), 0)
                     == lax.broadcasted_iota(jnp.int32, (C, C), 1), 1.0, 0.0)
-    return _unit_lower_inverse(beta[:, None] * kk * gates.strict, eye, dots.inverse), kk
+    return _unit_lower_inverse(beta[:, None] * kk * gates.strict, eye, dots.inverse)
 
 
 def _f32(ref):
@@ -122,7 +122,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd
     gates = _gates(g)
     bk, bv = _col_blocks(k_ref.shape[-1]), _col_blocks(v_ref.shape[-1])
     attn_ref[...] = (_gram(q_ref, k_ref, dots, bk) * gates.causal * scale).astype(attn_ref.dtype)
-    inv, _ = _inverse(k_ref, beta, gates, dots, bk)
+    inv = _inverse(k_ref, beta, gates, dots, bk)
     for j in range(k_ref.shape[-1] // bk):
         k = _f32(_cols(k_ref, j, bk))
         w = dots.plain(inv, k * (beta * gates.eg)[:, None])
@@ -143,9 +143,9 @@ def _specs(C: int):
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, interpret: bool = False,
                 precise: bool = True, out_dtype=jnp.float32) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). precise=False (bf16 inputs)
-    runs the products in TF32; out_dtype is the dtype of w, u, qg, kd and attn (decay stays
-    float32)."""
+    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). precise=False (bf16 inputs):
+    bf16 products of the inputs, TF32 for fp32 tiles, 3xTF32 for the inverse (``_dots``);
+    out_dtype is the dtype of w, u, qg, kd and attn (decay stays float32)."""
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     tile, vec = _specs(C)
