@@ -50,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None):
     ap = _Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--mesh", type=parse_mesh, default=(1, 4), help="data=D,seq=S")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--layers", default="gdn,attn", help="mixer per block: gdn, kda, attn")
