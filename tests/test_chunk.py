@@ -67,6 +67,13 @@ def test_pallas_interpret_matches_reference(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_pallas_interpret_batch(kind):
+    """B = 2 without cu_seqlens through the Pallas kernels: one final state per batch row."""
+    args = make_inputs(kind, 2, 70, 1, 1, 16, 16, n_states=2)
+    check_against_reference(kind, args, jnp.float32, backend="interpret")
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_custom_scale_and_no_state(kind):
     op, ref = OPS[kind]
     q, k, v, g, beta, _ = make_inputs(kind, 1, 70, 1, 1, 16, 16)
