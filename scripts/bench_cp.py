@@ -1,11 +1,12 @@
-"""Context-parallel GDN on W devices: no CP vs allgather / all_to_all / relay, and FLA's KCP.
+"""Context-parallel GDN on W devices: no CP vs allgather / all_to_all / relay, and FLA's KCP
+and head all-to-all.
 
     python scripts/bench_cp.py --json docs/benchmarks/cp.json          # on the multi-GPU machine
     python scripts/bench_cp.py --report docs/benchmarks/cp.json        # table + plot (.md, .png)
 
 bf16, B = 1, q/k L2-normalised; one sequence and a packed set of 10. "none" runs the whole
 sequence on one device; the CP strategies split it over all W. rate = (t_none / W) / t (1.0 is
-a perfect split). FLA (torch) runs first, as W processes under torchrun (--fla), so that JAX
+a perfect split). FLA (torch) runs first, as W processes under torchrun, so that JAX
 has the GPUs afterwards. Each time is the median of --iters calls after warm-up.
 """
 from __future__ import annotations
@@ -28,7 +29,10 @@ def layouts(T: int) -> list[list[int]]:
 
 
 def fla_worker(T: int, H: int, D: int, iters: int) -> None:
-    """One torchrun rank: FLA's KCP and its no-CP time; rank 0 prints JSON records."""
+    """One torchrun rank: FLA's no-CP time, its KCP, and a head all-to-all around FLA's
+    single-device op (q, k, v, g, beta exchanged from [1, T/W, H] to [1, T, H/W] shards, the
+    output and, with the backward, the cotangent and the gradients exchanged back: the
+    communication is timed with the op); rank 0 prints JSON records."""
     import statistics
     import torch
     import torch.distributed as dist
@@ -57,6 +61,18 @@ def fla_worker(T: int, H: int, D: int, iters: int) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
+    def seq_to_heads(x):
+        """[1, T/W, H, ...] on each rank -> [1, T, H/W, ...]: every rank's tokens of my heads."""
+        out = [torch.empty_like(p) for p in x.chunk(W, dim=2)]
+        dist.all_to_all(out, [p.contiguous() for p in x.chunk(W, dim=2)])
+        return torch.cat(out, dim=1)
+
+    def heads_to_seq(x):
+        """[1, T, H/W, ...] -> [1, T/W, H, ...]: my tokens of every rank's heads."""
+        out = [torch.empty_like(p) for p in x.chunk(W, dim=1)]
+        dist.all_to_all(out, [p.contiguous() for p in x.chunk(W, dim=1)])
+        return torch.cat(out, dim=2)
+
     torch.manual_seed(0)
     mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
     q, k, v = (F.normalize(mk(1, T, H, D), p=2, dim=-1) if i < 2 else mk(1, T, H, D)
@@ -75,9 +91,23 @@ def fla_worker(T: int, H: int, D: int, iters: int) -> None:
                 o = chunk_gated_delta_rule(*ts, **kw)[0]
                 if backward:
                     o.backward(torch.ones_like(o))
+
+            def head_all_to_all():
+                hs = [seq_to_heads(x).detach().requires_grad_(backward) for x in local]
+                o = chunk_gated_delta_rule(*hs, cu_seqlens=cu)[0]
+                o_local = heads_to_seq(o.detach())
+                if backward:
+                    o.backward(seq_to_heads(torch.ones_like(o_local)))
+                    for x in hs:
+                        heads_to_seq(x.grad)
+
             t_none = timeit(lambda: call((q, k, v, g, beta), cu_seqlens=cu))
             t_kcp = timeit(lambda: call(local, cp_context=ctx))
-            for strategy, ms, w in (("none", t_none, 1), ("fla-kcp", t_kcp, W)):
+            t_a2a = timeit(head_all_to_all) if H % W == 0 else None
+            for strategy, ms, w in (("none", t_none, 1), ("fla-kcp", t_kcp, W),
+                                    ("fla-all_to_all", t_a2a, W)):
+                if ms is None:
+                    continue
                 records.append(dict(op="gdn", strategy=strategy, W=w, T=T, H=H, K=D, V=D,
                                     nseq=len(cu_list) - 1,
                                     **{"pass": "fwd+bwd" if backward else "fwd"}, ms=ms,
