@@ -39,8 +39,8 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     backend = resolve_backend(backend)
     dot_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
     # GDN's Pallas kernels read bf16 q, k, v as they are (half the bytes of the chunk layout)
-    io = jnp.bfloat16 if dot_dtype == "bfloat16" and backend != "xla" and kind == "gdn" else None
-    io = io or jnp.float32
+    bf16_io = dot_dtype == "bfloat16" and backend != "xla" and kind == "gdn"
+    io = jnp.bfloat16 if bf16_io else jnp.float32
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q), l2_normalize(k)
