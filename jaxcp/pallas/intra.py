@@ -41,15 +41,19 @@ class _Dots(NamedTuple):
 
 
 def _dots(precise: bool, interpret: bool) -> _Dots:
-    """precise: IEEE fp32 everywhere (fp32 inputs). Otherwise (bf16 inputs) bf16 products of
-    the inputs, TF32 for fp32 tiles and 3xTF32 for the inverse. Interpret mode on the CPU
-    computes IEEE fp32 for the fp32 tiles in both cases."""
+    """precise (fp32 inputs): 3xTF32 everywhere, on tensor cores, ~5e-8 relative error for
+    the inverse's chain of products (scripts/inverse_precision.py); IEEE fp32 products would
+    run on CUDA cores. Otherwise (bf16 inputs): bf16 products of the inputs, TF32 for fp32
+    tiles, 3xTF32 for the inverse. Interpret mode (CPU) computes IEEE fp32 throughout."""
     def dot(precision):
         return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-    if precise or interpret:
+    if interpret:
         exact = dot(lax.Precision.HIGHEST)
         return _Dots(exact, exact, exact)
-    return _Dots(dot(None), dot(None), dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+    x3 = dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    if precise:
+        return _Dots(x3, x3, x3)
+    return _Dots(dot(None), dot(None), x3)
 
 
 def _unit_lower_inverse(a, eye, dot):
@@ -143,9 +147,8 @@ def _specs(C: int):
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, interpret: bool = False,
                 precise: bool = True, out_dtype=jnp.float32) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). precise=False (bf16 inputs):
-    bf16 products of the inputs, TF32 for fp32 tiles, 3xTF32 for the inverse (``_dots``);
-    out_dtype is the dtype of w, u, qg, kd and attn (decay stays float32)."""
+    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). precise: fp32 inputs (3xTF32
+    products) or bf16 inputs (bf16 and TF32 products, see ``_dots``); out_dtype is the dtype of w, u, qg, kd and attn (decay stays float32)."""
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     tile, vec = _specs(C)
