@@ -171,8 +171,8 @@ def main(argv=None) -> int:
     devices = mesh.devices.flatten().tolist()
     config = dict(command=shlex.join(["python", "scripts/train.py", *argv]), argv=argv, env=env,
                   args={k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-                  backend=resolve_backend(args.backend), n_devices=len(devices), platform=devices[0].platform,
-                  device_kind=devices[0].device_kind, jax_version=jax.__version__)
+                  backend=resolve_backend(args.backend), n_devices=len(devices),
+                  platform=devices[0].platform, device_kind=devices[0].device_kind, jax_version=jax.__version__)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     summary_path = os.path.join(run_dir, "summary.json")

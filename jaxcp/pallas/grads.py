@@ -37,6 +37,11 @@ from jaxcp.pallas.state import _params
 from jaxcp.vma import unify
 
 
+def _add(acc, terms):
+    """acc + terms elementwise over tuples; acc None starts the sum."""
+    return terms if acc is None else tuple(a + t for a, t in zip(acc, terms))
+
+
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dvn_ref, do_ref,
                   dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dots):
     g, beta = _f32(g_ref), _f32(beta_ref)
@@ -46,15 +51,14 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dv
     bk, bv = _col_blocks(K), _col_blocks(V)
     inv = _inverse(k_ref, beta, gates, dots, bk)
 
-    dattn = da = dbeta = None
+    sums = None
     for j in range(V // bv):
         v, dvn = _f32(_cols(v_ref, j, bv)), _f32(_cols(dvn_ref, j, bv))
         dy = dot(inv.T, dvn)
-        terms = (dot(_f32(_cols(do_ref, j, bv)), _f32(_cols(vn_ref, j, bv)).T),
-                 -dot(dy, dot(inv, v * beta[:, None]).T), jnp.sum(dy * v, axis=1))
+        sums = _add(sums, (dot(_f32(_cols(do_ref, j, bv)), _f32(_cols(vn_ref, j, bv)).T),
+                           -dot(dy, dot(inv, v * beta[:, None]).T), jnp.sum(dy * v, axis=1)))
         _cols(dv_ref, j, bv)[...] = (dy * beta[:, None]).astype(dv_ref.dtype)
-        dattn, da, dbeta = terms if dattn is None else (dattn + terms[0], da + terms[1],
-                                                        dbeta + terms[2])
+    dattn, da, dbeta = sums
     d = dattn * gates.causal * scale
     p = d * _gram(q_ref, k_ref, dots, bk)
     dG = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
@@ -62,16 +66,15 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dv
     d_decay = jnp.zeros((), jnp.float32)
     for i in range(K // bk):
         rows = pl.ds(i * bk, bk)
-        dw = dqg = dkd = None
+        sums = None
         for j in range(V // bv):
             cols = pl.ds(j * bv, bv)
             h, x = _f32(h_ref.at[rows, cols]), _f32(x_ref.at[rows, cols])
-            terms = (-dot(_f32(_cols(dvn_ref, j, bv)), h.T),
-                     dot(_f32(_cols(do_ref, j, bv)), h.T),
-                     dot(_f32(_cols(vn_ref, j, bv)), x.T))
-            dw, dqg, dkd = terms if dw is None else (dw + terms[0], dqg + terms[1],
-                                                     dkd + terms[2])
+            sums = _add(sums, (-dot(_f32(_cols(dvn_ref, j, bv)), h.T),
+                               dot(_f32(_cols(do_ref, j, bv)), h.T),
+                               dot(_f32(_cols(vn_ref, j, bv)), x.T)))
             d_decay += jnp.sum(h * x)
+        dw, dqg, dkd = sums
         q, k = _f32(_cols(q_ref, i, bk)), _f32(_cols(k_ref, i, bk))
         xk = k * (beta * gates.eg)[:, None]
         dxk = dot(inv.T, dw)
@@ -85,11 +88,11 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dv
                - dkd_kd)
         dkd_kd_total += jnp.sum(dkd_kd)
 
-    kk = _gram(k_ref, k_ref, dots, bk)
     z = beta[:, None] * da * gates.strict
-    r = z * kk
+    da_kk = da * gates.strict * _gram(k_ref, k_ref, dots, bk)     # R = dA o A = beta_i da_kk
+    r = beta[:, None] * da_kk
     dG += jnp.sum(r, axis=1) - jnp.sum(r, axis=0)
-    dbeta_ref[...] = (dbeta + jnp.sum(da * kk * gates.strict, axis=1)).astype(dbeta_ref.dtype)
+    dbeta_ref[...] = (dbeta + jnp.sum(da_kk, axis=1)).astype(dbeta_ref.dtype)
     for i in range(K // bk):
         k = _f32(_cols(k_ref, i, bk))
         _cols(dk_ref, i, bk)[...] = _cols(dk_ref, i, bk)[...] + dot(z, k) + dot(z.T, k)

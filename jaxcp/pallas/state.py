@@ -165,14 +165,14 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     has_init = init is not None
     grid = (B, HV, cols // BV)
     in_specs = [sp.chunk_k, sp.chunk_k, sp.decay, sp.per_chunk, sp.per_chunk]
-    w, kd, u, qg, attn = _tiles(dot_dtype, terms.w, terms.kd, terms.u, terms.qg, terms.attn)
-    args = [w, kd, decay, layout.chunk_starts.astype(jnp.int32), layout.chunk_seq]
+    args = [*_tiles(dot_dtype, terms.w, terms.kd), decay, layout.chunk_starts.astype(jnp.int32),
+            layout.chunk_seq]
     if u_cols:
         in_specs.append(sp.chunk_v)
-        args.append(u)
+        args += _tiles(dot_dtype, terms.u)
     if with_output:
         in_specs += [sp.chunk_k, sp.chunk_cc, sp.per_chunk]
-        args += [qg, attn, layout.chunk_ends.astype(jnp.int32)]
+        args += [*_tiles(dot_dtype, terms.qg, terms.attn), layout.chunk_ends.astype(jnp.int32)]
     in_specs, args, struct = _with_states(sp, in_specs, args, init, h0)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = {}

@@ -137,4 +137,3 @@ def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         decay=jnp.exp(G_last[..., 0, :]),
         attn=gated_inner(q, k, G, inclusive=True) * scale,
     )
-
