@@ -105,15 +105,14 @@ def _backward(cfg, res, cts):
     q, k, v, g, beta, init, layout, s_in, m = res
     do, d_final = cts
     st = cfg.stages
-    terms = st.intra(q, k, v, g, beta, cfg.scale)
+    terms = st.intra(q, k, v, g, beta, cfg.scale, with_inverse=True)
     h, v_new, _ = st.state_fwd(terms, layout, init, s_in)
     d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
-    _, dh_starts, x, dvn = st.state_bwd(terms, layout, do, d_final, d_last)
-    dq, dk, dv, dg, dbeta = st.chunk_grads(q, k, v, g, beta, cfg.scale, h, v_new, x, dvn, do)
-    d_init = None
+    _, d_init, x, dvn = st.state_bwd(terms, layout, do, d_final, d_last,
+                                     with_d_init=init is not None)
+    dq, dk, dv, dg, dbeta = st.chunk_grads(q, k, v, g, beta, cfg.scale, terms, h, v_new, x, dvn,
+                                           do)
     if init is not None:
-        flat = dh_starts.reshape(-1, *dh_starts.shape[2:])
-        d_init = jax.ops.segment_sum(flat, layout.chunk_seq.reshape(-1), init.shape[0])
         d_init = match_cotangent(d_init, init)
     grads = tuple(d.astype(x.dtype) for d, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta)))
     return *grads, d_init, None

@@ -31,7 +31,10 @@ def stages_for(backend: str, dot_dtype: str = "float32") -> Stages:
     """dot_dtype: the operand dtype of the kernels' matrix products ("bfloat16" for bf16
     inputs, as FLA does; accumulation and the state stay float32)."""
     if backend == "xla":
-        return Stages(xla.intra_chunk, xla.state_output, xla.state_fwd, xla.state_last,
+        # the jnp chunk_grads recomputes the terms in its vjp and never reads the inverse
+        intra = lambda q, k, v, g, beta, scale, with_inverse=False: xla.intra_chunk(
+            q, k, v, g, beta, scale)
+        return Stages(intra, xla.state_output, xla.state_fwd, xla.state_last,
                       xla.cp_summary, xla.state_bwd, xla.chunk_grads)
     from jaxcp.pallas import grads as pallas_grads
     from jaxcp.pallas import intra as pallas_intra
@@ -40,10 +43,11 @@ def stages_for(backend: str, dot_dtype: str = "float32") -> Stages:
     interpret = backend == "interpret"
     precise = dot_dtype == "float32"
 
-    def intra(q, k, v, g, beta, scale):
+    def intra(q, k, v, g, beta, scale, with_inverse=False):
         if g.shape[-1] == 1:
-            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, interpret=interpret,
-                                            precise=precise, out_dtype=jnp.dtype(dot_dtype))
+            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
+                                            interpret=interpret, precise=precise,
+                                            out_dtype=jnp.dtype(dot_dtype))
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
     def chunk_grads(q, k, v, g, beta, scale, *rest):

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Train the GDN hybrid LM (gdn,gdn,gdn,attn, hidden 1024, 8 heads of 128) on 65536-token
-# sequences on a 4-GPU machine, with and without context parallelism, and tabulate the runs:
+# sequences on a multi-GPU machine, with and without context parallelism, and tabulate the runs:
 #
 #   bash scripts/gpu_train_runs.sh OUT_DIR
 #
-#   cp4     --mesh data=1,seq=4 --batch 1   one sequence split over 4 GPUs (CP)
+#   cpN     --mesh data=1,seq=N --batch 1   one sequence split over N GPUs (CP), e.g. cp4
 #   single  --mesh data=1,seq=1 --batch 1   the whole sequence on one GPU (no CP)
-#   dp4     --mesh data=4,seq=1 --batch 4   one sequence per GPU (data parallel, no CP)
+#   dpN     --mesh data=N,seq=1 --batch N   one sequence per GPU (data parallel, no CP)
 #
 # Each run writes into OUT_DIR/<name>/ (stdout.log, train.log with stderr); a failed run (out
 # of memory, say) does not stop the others. Then scripts/report_train.py tabulates every run
@@ -49,10 +49,10 @@ run() {  # run NAME TRAIN_FLAGS...
 
 for name in ${RUNS:-cp4 single dp4}; do
   case $name in
-    cp4) run cp4 --mesh data=1,seq=4 --batch 1 ;;
+    cp[0-9]*) run "$name" --mesh "data=1,seq=${name#cp}" --batch 1 ;;
     single) CUDA_VISIBLE_DEVICES=$first_gpu run single --mesh data=1,seq=1 --batch 1 ;;
-    dp4) run dp4 --mesh data=4,seq=1 --batch 4 ;;
-    *) echo "unknown run $name (cp4, single, dp4)" >&2; exit 2 ;;
+    dp[0-9]*) run "$name" --mesh "data=${name#dp},seq=1" --batch "${name#dp}" ;;
+    *) echo "unknown run $name (cpN, single, dpN)" >&2; exit 2 ;;
   esac
 done
 

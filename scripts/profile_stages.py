@@ -60,6 +60,8 @@ def main(argv=None):
         to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
     intra = partial(pintra.intra_chunk, scale=scale, precise=False, out_dtype=bf16)
     terms = timed("intra_chunk", lambda *xs: intra(*xs), *chunks)
+    terms = timed("intra_chunk with the inverse (backward)",
+                  lambda *xs: intra(*xs, with_inverse=True), *chunks)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
     timed("state_output (fwd recurrence + output)", lambda t: pstate.state_output(
         t, layout, None, h0, False, dot_dtype=bf16)[0], terms)
@@ -68,25 +70,24 @@ def main(argv=None):
     do = r(*vn.shape)
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
         t, layout, d, None, h0, dot_dtype=bf16), terms, do)
-    timed("chunk_grads", lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], precise=False),
-          *chunks, h, vn, x, dvn, do)
+    grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], precise=False)
+    timed("chunk_grads", grads, *chunks, terms, h, vn, x, dvn, do)
     f32 = lambda x: x.astype(jnp.float32)
     timed("variant: chunk_grads (xla)", lambda *xs: xla.chunk_grads(
-        *map(f32, xs[:5]), scale, *map(f32, xs[5:])), *chunks, h, vn, x, dvn, do)
+        *map(f32, xs[:5]), scale, None, *xs[5:]), *chunks, h, vn, x, dvn, do)
 
     for bv in (32, 16):
         pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
         timed(f"variant: state_output BV={bv}", lambda t: pstate.state_output(
             t, layout, None, h0, False, dot_dtype=bf16)[0], terms)
-    for warps in (8, 4):
-        params = lambda interpret, *_, w=warps: {
-            "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=1)}
+    for warps, stages in ((8, 1), (4, 2)):
+        params = lambda interpret, *_, w=warps, n=stages: {
+            "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
         pintra._params, pgrads._params = params, params
-        if warps != 4:
-            timed(f"variant: intra_chunk {warps} warps", lambda *xs: intra(*xs), *chunks)
-        else:
-            timed(f"variant: chunk_grads {warps} warps", lambda *xs: pgrads.chunk_grads(
-                *xs[:5], scale, *xs[5:], precise=False), *chunks, h, vn, x, dvn, do)
+        timed(f"variant: intra_chunk {warps} warps, {stages} stages",
+              lambda *xs: intra(*xs), *chunks)
+        timed(f"variant: chunk_grads {warps} warps, {stages} stages", grads,
+              *chunks, terms, h, vn, x, dvn, do)
 
     import importlib
     for mod in (pstate, pintra, pgrads):

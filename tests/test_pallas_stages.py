@@ -68,19 +68,25 @@ def test_cp_summary(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("entry_only", [True, False])
-def test_state_bwd(kind, entry_only):
-    terms, layout, init = chunk_terms(kind, CU, 70)
+@pytest.mark.parametrize("entry_only, device", [(True, 0), (False, 0), (False, 1)])
+def test_state_bwd(kind, entry_only, device):
+    # device 1 of 2: sequence 0 started on the device before, its d_init row is zero here
+    cu = CU if device == 0 else [0, 50, 72, 90, 140]
+    terms, layout, init = chunk_terms(kind, cu, 70, device=device, world=device + 1)
     rng = np.random.default_rng(4)
     do = jnp.asarray(rng.standard_normal(terms.u.shape), jnp.float32)
     d_final = jnp.asarray(rng.standard_normal(init.shape), jnp.float32)
     d_last = jnp.asarray(rng.standard_normal((1, 2, 16, 32)), jnp.float32)
-    want = xla.state_bwd(terms, layout, do, d_final, d_last, entry_only=entry_only)
-    got = pstate.state_bwd(terms, layout, do, d_final, d_last, entry_only=entry_only,
-                           interpret=True)
+    want = xla.state_bwd(terms, layout, do, d_final, d_last, with_d_init=True,
+                         entry_only=entry_only)
+    got = pstate.state_bwd(terms, layout, do, d_final, d_last, with_d_init=True,
+                           entry_only=entry_only, interpret=True)
     if entry_only:
         want, got = (want,), (got,)
-    for name, a, b in zip(("d_entry", "dh_starts", "x", "dvn"), got, want):
+    else:
+        assert pstate.state_bwd(terms, layout, do, d_final, d_last, interpret=True)[1] is None
+        assert (float(jnp.abs(got[1][0]).max()) == 0.0) == (device == 1)
+    for name, a, b in zip(("d_entry", "d_init", "x", "dvn"), got, want):
         assert_rel(a, b, 1e-5, name)
 
 
@@ -90,8 +96,9 @@ def test_intra_chunk_gdn(C):
     layout, tmap = build_layout(1, 70, C, None, 0, 70)
     ch = lambda x: to_chunks(x, tmap, num_chunks(70, C, None), C)
     args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
-    want = xla.intra_chunk(*args, 0.25)
-    got = pintra.intra_chunk(*args, 0.25, interpret=True)
+    want = xla.intra_chunk(*args, 0.25, with_inverse=True)
+    got = pintra.intra_chunk(*args, 0.25, with_inverse=True, interpret=True)
+    assert pintra.intra_chunk(*args, 0.25, interpret=True).inv is None
     for name, a, b in zip(want._fields, got, want):
         assert_rel(a, b, 1e-5, name)
 
@@ -108,7 +115,8 @@ def test_chunk_grads_gdn(C, V):
     # h, X [NT, B, HV, K, V]; v_new, dvn, do [NT, B, HV, C, V]
     rest = (r(NT, 1, 2, 32, V), r(NT, 1, 2, C, V), r(NT, 1, 2, 32, V), r(NT, 1, 2, C, V),
             r(NT, 1, 2, C, V))
-    want = xla.chunk_grads(*args, 0.25, *rest)
-    got = pgrads.chunk_grads(*args, 0.25, *rest, interpret=True)
+    terms = xla.intra_chunk(*args, 0.25, with_inverse=True)
+    want = xla.chunk_grads(*args, 0.25, terms, *rest)
+    got = pgrads.chunk_grads(*args, 0.25, terms, *rest, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, b, 1e-5, name)

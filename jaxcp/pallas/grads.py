@@ -2,10 +2,11 @@
 head): the cotangents of the chunk terms and the intra-chunk backward (WY included), fused.
 
 Twin of ``jaxcp.xla.grads.chunk_grads``, same layout: q, k [NT, B, HV, C, K], v [NT, B,
-HV, C, V], g [NT, B, HV, C, 1], beta [NT, B, HV, C]; from the recurrences h (state entering
-each chunk) and X = dL/dS_out [NT, B, HV, K, V], v_new, dvn = dL/dv_new and do [NT, B, HV,
-C, V]. The chunk's forward (G, E, T = (I + A)^-1, see ``intra``) is recomputed; with
-Xk = beta exp(G) k, w = T Xk, u = T (beta v), qk = q k^T:
+HV, C, V], g [NT, B, HV, C, 1], beta [NT, B, HV, C]; the chunk terms w [.., C, K], u
+[.., C, V], attn and T = (I + A)^-1 [.., C, C] (``intra`` with the inverse); from the
+recurrences h (state entering each chunk) and X = dL/dS_out [NT, B, HV, K, V], v_new,
+dvn = dL/dv_new and do [NT, B, HV, C, V]. With G = cumsum(g), E_ij = exp(G_i - G_j),
+Xk = beta exp(G) k (so w = T Xk, u = T (beta v)):
 
     1. per block of value columns:
          dattn += do v_new^T,  dY = T^T dvn,  dA -= dY u^T,  dv = beta dY,
@@ -22,7 +23,8 @@ Xk = beta exp(G) k, w = T Xk, u = T (beta v), qk = q k^T:
          - rowsum(dkd o kd) + [i = C] (sum(dkd o kd) + d_decay exp(G_C)),  P = dattn o attn
     dg = reverse cumsum of dG within the chunk
 
-Only [C, C] tiles and [C, 64] blocks are live at a time.
+Only [C, C] tiles and [C, 64] blocks are live at a time. For bf16 inputs every product
+has bf16 operands (fp32 tiles are rounded), as in FLA's backward.
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.intra import _col_blocks, _cols, _dots, _f32, _gates, _gram, _inverse, _specs
+from jaxcp.pallas.intra import _col_blocks, _cols, _dots, _f32, _gates, _gram, _specs
 from jaxcp.pallas.state import _params
 from jaxcp.vma import unify
+from jaxcp.xla.intra import ChunkTerms
 
 
 def _add(acc, terms):
@@ -42,26 +45,27 @@ def _add(acc, terms):
     return terms if acc is None else tuple(a + t for a, t in zip(acc, terms))
 
 
-def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dvn_ref, do_ref,
-                  dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dots):
+def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, inv_ref, h_ref,
+                  vn_ref, x_ref, dvn_ref, do_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *,
+                  scale, dots):
     g, beta = _f32(g_ref), _f32(beta_ref)
     gates = _gates(g)
     dot = dots.plain
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     bk, bv = _col_blocks(K), _col_blocks(V)
-    inv = _inverse(k_ref, beta, gates, dots, bk)
+    inv = inv_ref[...]
 
     sums = None
     for j in range(V // bv):
-        v, dvn = _f32(_cols(v_ref, j, bv)), _f32(_cols(dvn_ref, j, bv))
-        dy = dot(inv.T, dvn)
-        sums = _add(sums, (dot(_f32(_cols(do_ref, j, bv)), _f32(_cols(vn_ref, j, bv)).T),
-                           -dot(dy, dot(inv, v * beta[:, None]).T), jnp.sum(dy * v, axis=1)))
+        dy = dot(inv.T, _cols(dvn_ref, j, bv)[...])
+        sums = _add(sums, (dot(_cols(do_ref, j, bv)[...], _cols(vn_ref, j, bv)[...].T),
+                           -dot(dy, _cols(u_ref, j, bv)[...].T),
+                           jnp.sum(dy * _f32(_cols(v_ref, j, bv)), axis=1)))
         _cols(dv_ref, j, bv)[...] = (dy * beta[:, None]).astype(dv_ref.dtype)
     dattn, da, dbeta = sums
-    d = dattn * gates.causal * scale
-    p = d * _gram(q_ref, k_ref, dots, bk)
+    p = dattn * _f32(attn_ref)
     dG = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
+    d = dattn * gates.causal() * scale
     dkd_kd_total = jnp.zeros((), jnp.float32)
     d_decay = jnp.zeros((), jnp.float32)
     for i in range(K // bk):
@@ -69,16 +73,16 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dv
         sums = None
         for j in range(V // bv):
             cols = pl.ds(j * bv, bv)
-            h, x = _f32(h_ref.at[rows, cols]), _f32(x_ref.at[rows, cols])
-            sums = _add(sums, (-dot(_f32(_cols(dvn_ref, j, bv)), h.T),
-                               dot(_f32(_cols(do_ref, j, bv)), h.T),
-                               dot(_f32(_cols(vn_ref, j, bv)), x.T)))
-            d_decay += jnp.sum(h * x)
+            h, x = h_ref.at[rows, cols][...], x_ref.at[rows, cols][...]
+            sums = _add(sums, (-dot(_cols(dvn_ref, j, bv)[...], h.T),
+                               dot(_cols(do_ref, j, bv)[...], h.T),
+                               dot(_cols(vn_ref, j, bv)[...], x.T)))
+            d_decay += jnp.sum(h.astype(jnp.float32) * x.astype(jnp.float32))
         dw, dqg, dkd = sums
         q, k = _f32(_cols(q_ref, i, bk)), _f32(_cols(k_ref, i, bk))
         xk = k * (beta * gates.eg)[:, None]
         dxk = dot(inv.T, dw)
-        da -= dot(dxk, dot(inv, xk).T)
+        da -= dot(dxk, _cols(w_ref, i, bk)[...].T)
         _cols(dq_ref, i, bk)[...] = dqg * (gates.eg * scale)[:, None] + dot(d, k)
         _cols(dk_ref, i, bk)[...] = (dxk * (beta * gates.eg)[:, None]
                                      + dkd * gates.tail[:, None] + dot(d.T, q))
@@ -88,32 +92,39 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, h_ref, vn_ref, x_ref, dv
                - dkd_kd)
         dkd_kd_total += jnp.sum(dkd_kd)
 
-    z = beta[:, None] * da * gates.strict
-    da_kk = da * gates.strict * _gram(k_ref, k_ref, dots, bk)     # R = dA o A = beta_i da_kk
+    strict = gates.strict()
+    z = beta[:, None] * da * strict
+    da_kk = da * strict * _gram(k_ref, k_ref, dots, bk)     # R = dA o A = beta_i da_kk
     r = beta[:, None] * da_kk
     dG += jnp.sum(r, axis=1) - jnp.sum(r, axis=0)
     dbeta_ref[...] = (dbeta + jnp.sum(da_kk, axis=1)).astype(dbeta_ref.dtype)
     for i in range(K // bk):
-        k = _f32(_cols(k_ref, i, bk))
+        k = _cols(k_ref, i, bk)[...]
         _cols(dk_ref, i, bk)[...] = _cols(dk_ref, i, bk)[...] + dot(z, k) + dot(z.T, k)
     # terms of dG_C reach every row of the reverse cumsum
     dG_last = dkd_kd_total + d_decay * gates.last
     dg_ref[...] = (jnp.sum(dG) - jnp.cumsum(dG) + dG + dG_last).astype(dg_ref.dtype)
 
 
-def chunk_grads(q, k, v, g, beta, scale: float, h, v_new, x, dvn, do, *,
+def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
                 interpret: bool = False, precise: bool = True):
-    """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) float32."""
+    """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) float32. terms must
+    carry the inverse (``intra_chunk(..., with_inverse=True)``)."""
+    if terms.inv is None:
+        raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     tile, vec = _specs(C)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
-    args, mat = unify([q, k, v, g[..., 0], beta, h, v_new, x, dvn, do])
+    args, mat = unify([q, k, v, g[..., 0], beta, terms.w, terms.u, terms.attn, terms.inv, h,
+                       v_new, x, dvn, do])
     out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, jnp.float32, manual_axis_type=mat)
-    kernel = partial(_grads_kernel, scale=scale, dots=_dots(precise, interpret))
+    kernel = partial(_grads_kernel, scale=scale,
+                     dots=_dots(precise, interpret, rounded=True))
     dq, dk, dv, dg, dbeta = pl.pallas_call(
         kernel, grid=(NT, B, HV),
-        in_specs=[tile(K), tile(K), tile(V), vec, vec, state, tile(V), state, tile(V), tile(V)],
+        in_specs=[tile(K), tile(K), tile(V), vec, vec, tile(K), tile(V), tile(C), tile(C), state,
+                  tile(V), state, tile(V), tile(V)],
         out_specs=[tile(K), tile(K), tile(V), vec, vec],
         out_shape=[out(C, K), out(C, K), out(C, V), out(C), out(C)],
         **_params(interpret, 0))(*args)

@@ -33,27 +33,37 @@ from jaxcp.xla.intra import ChunkTerms
 
 class _Dots(NamedTuple):
     """a @ b with fp32 accumulation at three precisions: `native` for tiles as loaded (bf16
-    MMA for bf16 inputs), `plain` for fp32 tiles, `inverse` for the chain of products that
-    builds (I + A)^-1 (rounding there compounds)."""
+    MMA for bf16 inputs), `plain` for products of fp32 tiles, `inverse` for the chain of
+    products that builds (I + A)^-1 (rounding there compounds)."""
     native: callable
     plain: callable
     inverse: callable
 
 
-def _dots(precise: bool, interpret: bool) -> _Dots:
-    """precise (fp32 inputs): 3xTF32 everywhere, on tensor cores, ~5e-8 relative error for
-    the inverse's chain of products (scripts/inverse_precision.py); IEEE fp32 products would
-    run on CUDA cores. Otherwise (bf16 inputs): bf16 products of the inputs, TF32 for fp32
-    tiles, 3xTF32 for the inverse. Interpret mode (CPU) computes IEEE fp32 throughout."""
+def _dots(precise: bool, interpret: bool, *, rounded: bool = False) -> _Dots:
+    """precise (fp32 inputs): 3xTF32 everywhere, on tensor cores (IEEE fp32 products would
+    run on CUDA cores). Otherwise (bf16 inputs): bf16 products of the inputs and single TF32
+    products of fp32 tiles, the inverse's chain included: its error, ~2e-4 relative on w, is
+    far under the bf16 rounding w is stored with (~2e-3; scripts/inverse_precision.py).
+    rounded (bf16 inputs only): fp32 tiles are rounded to bf16 for `plain` products, for
+    kernels whose results are gradients. Interpret mode (CPU) computes IEEE fp32."""
     def dot(precision):
         return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     if interpret:
         exact = dot(lax.Precision.HIGHEST)
         return _Dots(exact, exact, exact)
-    x3 = dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
     if precise:
+        x3 = dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
         return _Dots(x3, x3, x3)
-    return _Dots(dot(None), dot(None), x3)
+    tf32 = dot(None)
+    if rounded:
+        return _Dots(tf32, _bf16_dot, tf32)
+    return _Dots(tf32, tf32, tf32)
+
+
+def _bf16_dot(a, b):
+    return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
 
 
 def _unit_lower_inverse(a, eye, dot):
@@ -78,24 +88,33 @@ def _col_blocks(d: int) -> int:
 
 
 class _Gates(NamedTuple):
-    """Gate terms of one chunk, from g [C]: G = cumsum(g)."""
+    """Gate terms of one chunk, from g [C]: G = cumsum(g). The [C, C] decay matrices are
+    built where they are used, so that they do not hold registers in between."""
+    G: jax.Array          # [C]
     eg: jax.Array         # exp(G) [C]
     tail: jax.Array       # exp(G_C - G) [C]
     last: jax.Array       # exp(G_C) []
-    strict: jax.Array     # exp(G_i - G_j) for j < i, else 0 [C, C]
-    causal: jax.Array     # exp(G_i - G_j) for j <= i, else 0 [C, C]
+
+    def strict(self):
+        """exp(G_i - G_j) for j < i, else 0 [C, C]."""
+        return self._decays(lambda rows, cols: rows > cols)
+
+    def causal(self):
+        """exp(G_i - G_j) for j <= i, else 0 [C, C]."""
+        return self._decays(lambda rows, cols: rows >= cols)
+
+    def _decays(self, visible):
+        C = self.G.shape[0]
+        rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        cols = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        return jnp.exp(jnp.where(visible(rows, cols), self.G[:, None] - self.G[None, :],
+                                 -jnp.inf))
 
 
 def _gates(g) -> _Gates:
-    C = g.shape[0]
     G = jnp.cumsum(g)
-    rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    diff = G[:, None] - G[None, :]
-    strict = jnp.exp(jnp.where(rows > cols, diff, -jnp.inf))
-    causal = jnp.exp(jnp.where(rows >= cols, diff, -jnp.inf))
     total = jnp.sum(g)
-    return _Gates(jnp.exp(G), jnp.exp(total - G), jnp.exp(total), strict, causal)
+    return _Gates(G, jnp.exp(G), jnp.exp(total - G), jnp.exp(total))
 
 
 def _gram(x_ref, y_ref, dots: _Dots, bk: int):
@@ -113,7 +132,7 @@ def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int):
     C = kk.shape[0]
     eye = jnp.where(lax.broadcasted_iota(jnp.int32, (C, C), 0)
                     == lax.broadcasted_iota(jnp.int32, (C, C), 1), 1.0, 0.0)
-    return _unit_lower_inverse(beta[:, None] * kk * gates.strict, eye, dots.inverse)
+    return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), eye, dots.inverse)
 
 
 def _f32(ref):
@@ -121,12 +140,15 @@ def _f32(ref):
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, attn_ref,
-                  *, scale, dots):
+                  *inv_ref, scale, dots):
     g, beta = _f32(g_ref), _f32(beta_ref)
     gates = _gates(g)
     bk, bv = _col_blocks(k_ref.shape[-1]), _col_blocks(v_ref.shape[-1])
-    attn_ref[...] = (_gram(q_ref, k_ref, dots, bk) * gates.causal * scale).astype(attn_ref.dtype)
+    attn = _gram(q_ref, k_ref, dots, bk) * gates.causal() * scale
+    attn_ref[...] = attn.astype(attn_ref.dtype)
     inv = _inverse(k_ref, beta, gates, dots, bk)
+    if inv_ref:
+        inv_ref[0][...] = inv.astype(inv_ref[0].dtype)
     for j in range(k_ref.shape[-1] // bk):
         k = _f32(_cols(k_ref, j, bk))
         w = dots.plain(inv, k * (beta * gates.eg)[:, None])
@@ -145,21 +167,24 @@ def _specs(C: int):
     return tile, vec
 
 
-def intra_chunk(q, k, v, g, beta, scale: float, *, interpret: bool = False,
-                precise: bool = True, out_dtype=jnp.float32) -> ChunkTerms:
+def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
+                interpret: bool = False, precise: bool = True,
+                out_dtype=jnp.float32) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). precise: fp32 inputs (3xTF32
-    products) or bf16 inputs (bf16 and TF32 products, see ``_dots``); out_dtype is the dtype of w, u, qg, kd and attn (decay stays float32)."""
+    products) or bf16 inputs (bf16 and TF32 products, see ``_dots``); out_dtype is the dtype
+    of w, u, qg, kd, attn and inv (decay stays float32)."""
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     tile, vec = _specs(C)
     args, mat = unify([q, k, v, g[..., 0], beta])
     out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, out_dtype, manual_axis_type=mat)
-    w, u, qg, kd, attn = pl.pallas_call(
+    shapes = [(C, K), (C, V), (C, K), (C, K), (C, C)] + [(C, C)] * with_inverse
+    w, u, qg, kd, attn, *inv = pl.pallas_call(
         partial(_intra_kernel, scale=scale, dots=_dots(precise, interpret)), grid=(NT, B, HV),
         in_specs=[tile(K), tile(K), tile(V), vec, vec],
-        out_specs=[tile(K), tile(V), tile(K), tile(K), tile(C)],
-        out_shape=[out(C, K), out(C, V), out(C, K), out(C, K), out(C, C)],
+        out_specs=[tile(s[1]) for s in shapes],
+        out_shape=[out(*s) for s in shapes],
         **_params(interpret, 0))(*args)
     decay = jnp.exp(jnp.sum(g.astype(jnp.float32), axis=-2))
-    return ChunkTerms(w=w, u=u, qg=qg, kd=kd, decay=decay, attn=attn)
-
+    return ChunkTerms(w=w, u=u, qg=qg, kd=kd, decay=decay, attn=attn,
+                      inv=inv[0] if inv else None)

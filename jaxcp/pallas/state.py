@@ -11,6 +11,7 @@ chunks with its [K, BV] slice of the state in fp32 registers:
               S   = decay_c * S_c + kd_c^T v_new
     backward  X   = carry + [ends_c] dF[seq_c];  dvn = attn_c^T do_c + kd_c X
               dh  = decay_c * X + qg_c^T do_c - w_c^T dvn;  carry = 0 if starts_c else dh
+              d_init[seq_c] = dh if starts_c
 
 Columns of the state are independent in both directions, so the BV blocks never talk.
 The CP summary runs the forward twice: from zero with u (S_ext), and from the identity with
@@ -117,6 +118,18 @@ def _with_states(sp: _Specs, in_specs: list, args: list, seq_states, carry):
         shape, dtype, manual_axis_type=mat)
 
 
+def _per_seq_output(sp: _Specs, in_specs: list, args: list, n_seqs: int, cols: int,
+                    out_index: int) -> dict:
+    """Append a zeros [N, HV, K, cols] operand aliased to output `out_index`: the kernel
+    stores the rows of the sequences it sees (``pl.when``) and the others stay zero.
+    Returns the input_output_aliases."""
+    in_specs.append(sp.seq_state(n_seqs))
+    aliases = {len(args): out_index}
+    HV, K = args[0].shape[2], args[0].shape[-1]
+    args.append(vary_like(jnp.zeros((n_seqs, HV, K, cols), jnp.float32), args[0]))
+    return aliases
+
+
 def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_finals):
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
@@ -177,13 +190,13 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = {}
     if with_finals:
-        in_specs.append(sp.seq_state(n_seqs))
-        aliases = {len(args): (2 if store_h else 0) + int(with_output)}
-        args.append(vary_like(jnp.zeros((n_seqs, HV, K, cols), jnp.float32), args[0]))
+        aliases = _per_seq_output(sp, in_specs, args, n_seqs, cols,
+                                  (2 if store_h else 0) + int(with_output))
     out_specs, out_shape = [], []
     if store_h:
         out_specs += [sp.chunk_state, sp.chunk_v]
-        out_shape += [struct(NT, B, HV, K, cols), struct(NT, B, HV, C, cols)]
+        out_shape += [struct(NT, B, HV, K, cols, dtype=dot_dtype),
+                      struct(NT, B, HV, C, cols, dtype=dot_dtype)]
     if with_output:
         out_specs.append(sp.chunk_v)
         out_shape.append(struct(NT, B, HV, C, cols, dtype=terms.u.dtype))
@@ -212,7 +225,8 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, interpret=False,
 
 
 def state_fwd(terms, layout, init, h0, *, interpret=False, dot_dtype=jnp.float32):
-    """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last)."""
+    """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last);
+    h and v_new in dot_dtype (they feed only the backward's products)."""
     return tuple(_run_forward(terms, layout, init, h0, u_cols=True, store_h=True,
                               interpret=interpret, dot_dtype=dot_dtype))
 
@@ -235,16 +249,20 @@ def cp_summary(terms, layout, init, *, interpret=False, dot_dtype=jnp.float32):
     return ext, m
 
 
-def _bwd_kernel(*refs, nt, gdn, has_final, entry_only):
+def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init):
     it = iter(refs)
     w_ref, kd_ref, qg_ref, attn_ref, dec_ref, do_ref, starts_ref, ends_ref, seq_ref = (
         next(it) for _ in range(9))
     final_ref = next(it) if has_final else None
     dlast_ref = next(it)
+    if with_d_init:
+        next(it)                                           # zeros, aliased to d_init_ref
     if entry_only:
         entry_ref = next(it)
     else:
-        dhs_ref, x_ref, dvn_ref, entry_ref = (next(it) for _ in range(4))
+        x_ref, dvn_ref = next(it), next(it)
+        d_init_ref = next(it) if with_d_init else None
+        entry_ref = next(it)
 
     def body(step, carry):
         i = nt - 1 - step
@@ -257,37 +275,49 @@ def _bwd_kernel(*refs, nt, gdn, has_final, entry_only):
               - _dot(w_ref[i].T, dvn))
         start = starts_ref[i] != 0
         if not entry_only:
-            dhs_ref[i] = jnp.where(start, dh, 0.0)
-            x_ref[i] = x
-            dvn_ref[i] = dvn
+            x_ref[i] = x.astype(x_ref.dtype)
+            dvn_ref[i] = dvn.astype(dvn_ref.dtype)
+            if with_d_init:
+                @pl.when(start)
+                def _():
+                    d_init_ref[seq_ref[i]] = dh
         return jnp.where(start, 0.0, dh)
 
     entry_ref[...] = lax.fori_loop(0, nt, body, dlast_ref[...])
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
-              entry_only: bool = False, interpret: bool = False, dot_dtype=jnp.float32):
-    """Twin of xla.state.state_bwd: (d_entry, dh_starts, X, dvn), or d_entry alone."""
+              with_d_init: bool = False, entry_only: bool = False, interpret: bool = False,
+              dot_dtype=jnp.float32):
+    """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
+    X and dvn in dot_dtype (they feed only the input cotangents' products)."""
     V = do.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V)
     has_final = d_final is not None
+    with_d_init = with_d_init and not entry_only
     in_specs = [sp.chunk_k, sp.chunk_k, sp.chunk_k, sp.chunk_cc, sp.decay, sp.chunk_v,
                 sp.per_chunk, sp.per_chunk, sp.per_chunk]
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
     args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_ends.astype(jnp.int32), layout.chunk_seq]
     in_specs, args, struct = _with_states(sp, in_specs, args, d_final, d_last)
+    n_seqs = layout.seq_ends_here.shape[0]
+    aliases = _per_seq_output(sp, in_specs, args, n_seqs, V, 2) if with_d_init else {}
     if entry_only:
         out_specs, out_shape = sp.state, struct(B, HV, K, V)
     else:
-        out_specs = [sp.chunk_state, sp.chunk_state, sp.chunk_v, sp.state]
-        out_shape = [struct(NT, B, HV, K, V), struct(NT, B, HV, K, V), struct(NT, B, HV, C, V),
-                     struct(B, HV, K, V)]
-    kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only)
+        out_specs = [sp.chunk_state, sp.chunk_v] + [sp.seq_state(n_seqs)] * with_d_init + [
+            sp.state]
+        out_shape = ([struct(NT, B, HV, K, V, dtype=dot_dtype),
+                      struct(NT, B, HV, C, V, dtype=dot_dtype)]
+                     + [struct(n_seqs, HV, K, V)] * with_d_init + [struct(B, HV, K, V)])
+    kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only,
+                     with_d_init=with_d_init)
     tile_bytes = C * (3 * K + C + BV) * jnp.dtype(dot_dtype).itemsize
     out = pl.pallas_call(kernel, grid=(B, HV, V // BV), in_specs=in_specs, out_specs=out_specs,
-                         out_shape=out_shape, **_params(interpret, tile_bytes))(*args)
+                         out_shape=out_shape, input_output_aliases=aliases,
+                         **_params(interpret, tile_bytes))(*args)
     if entry_only:
         return out
-    dh_starts, x, dvn, d_entry = out
-    return d_entry, dh_starts, x, dvn
+    x, dvn, *d_init, d_entry = out
+    return d_entry, (d_init[0] if with_d_init else None), x, dvn

@@ -6,8 +6,8 @@ dvn = dL/dv_new [C, V] and do [C, V], the cotangents of the ChunkTerms are
     dw = -dvn h^T,  du = dvn,  dqg = do h^T,  dkd = v_new X^T,  dattn = do v_new^T,
     ddecay = sum over V of (h o X)        (summed over K too for a scalar gate)
 
-and the intra-chunk stage's vjp (recomputed, nothing of the forward is stored) turns them
-into (dq, dk, dv, dg, dbeta).
+and the intra-chunk stage's vjp turns them into (dq, dk, dv, dg, dbeta). The vjp recomputes
+the chunk terms, so the ``terms`` argument (read by the Pallas twin) is not used here.
 """
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ import jax.numpy as jnp
 from jaxcp.xla.intra import ChunkTerms, einsum, intra_chunk
 
 
-def chunk_grads(q, k, v, g, beta, scale: float, h, v_new, x, dvn, do):
-    """(dq, dk, dv, dg, dbeta), shapes of q, k, v, g, beta, float32."""
+def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms | None, h, v_new, x, dvn,
+                do):
+    """(dq, dk, dv, dg, dbeta), shapes of q, k, v, g, beta, float32. h, v_new, x, dvn and do
+    may come in a lower precision (the Pallas recurrences store them in the dot dtype)."""
+    h, v_new, x, dvn, do = (a.astype(jnp.float32) for a in (h, v_new, x, dvn, do))
     d_decay = jnp.sum(h * x, axis=-1)
     if g.shape[-1] == 1:
         d_decay = jnp.sum(d_decay, axis=-1, keepdims=True)

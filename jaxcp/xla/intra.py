@@ -36,7 +36,8 @@ class ChunkTerms(NamedTuple):
 
     w [..., C, K]; u [..., C, V]; qg = scale q exp(G) [..., C, K]; kd = k exp(G_C - G)
     [..., C, K]; decay = exp(G_C) [..., Kg]; attn = lower(scale q_i . k_j exp(G_i - G_j))
-    [..., C, C].
+    [..., C, C]; inv = (I + A)^-1 [..., C, C], only when asked for (the backward's input
+    cotangents read it instead of inverting again), else None.
     """
     w: jax.Array
     u: jax.Array
@@ -44,6 +45,7 @@ class ChunkTerms(NamedTuple):
     kd: jax.Array
     decay: jax.Array
     attn: jax.Array
+    inv: jax.Array | None = None
 
 
 def chunk_local_cumsum(g: jax.Array) -> jax.Array:
@@ -118,9 +120,10 @@ def gated_inner(x: jax.Array, y: jax.Array, G: jax.Array, *, inclusive: bool) ->
 
 
 def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                scale: float) -> ChunkTerms:
+                scale: float, *, with_inverse: bool = False) -> ChunkTerms:
     """The chunk-local part of the delta rule (see the module docstring): gate cumsum, the
-    gated kk^T, the unit-lower-triangular solve for w and u, and the output's qk^T."""
+    gated kk^T, the unit-lower-triangular solve for w and u, and the output's qk^T; with
+    with_inverse also (I + A)^-1."""
     G = chunk_local_cumsum(g)
     C = k.shape[-2]
     A = beta[..., :, None] * gated_inner(k, k, G, inclusive=False)
@@ -129,6 +132,7 @@ def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     w = solve(L, k * jnp.exp(G) * beta[..., None])
     u = solve(L, v * beta[..., None])
     G_last = G[..., -1:, :]
+    inv = solve(L, jnp.broadcast_to(jnp.eye(C, dtype=L.dtype), L.shape)) if with_inverse else None
     return ChunkTerms(
         w=w,
         u=u,
@@ -136,4 +140,5 @@ def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         kd=k * jnp.exp(G_last - G),
         decay=jnp.exp(G_last[..., 0, :]),
         attn=gated_inner(q, k, G, inclusive=True) * scale,
+        inv=inv,
     )

@@ -93,14 +93,16 @@ def final_states(terms: ChunkTerms, layout: ChunkLayout, h: jax.Array, v_new: ja
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_final: jax.Array | None,
-              d_last: jax.Array, *, entry_only: bool = False):
+              d_last: jax.Array, *, with_d_init: bool = False, entry_only: bool = False):
     """Reverse scan of the state gradient.
 
     do [NT, B, HV, C, V]: output cotangent; d_final [N, HV, K, V] or None: cotangent of the
     final states; d_last [B, HV, K, V]: cotangent of the state after the last chunk (from the
-    devices after this one). Returns (d_entry, dh_starts, X, dvn): the gradient w.r.t. the
-    state entering the first chunk (zero if it resets), and per chunk dh on reset chunks
-    (else 0), X = dL/dS_out and dv_new; with entry_only, d_entry alone.
+    devices after this one). Returns (d_entry, d_init, X, dvn): the gradient w.r.t. the
+    state entering the first chunk (zero if it resets); with with_d_init the gradients
+    w.r.t. the initial states [N, HV, K, V] (dh of each sequence's reset chunk, zero for
+    sequences that start elsewhere), else None; X = dL/dS_out and dv_new per chunk. With
+    entry_only, d_entry alone.
     """
     p = einsum("...ij,...iv->...jv", terms.attn, do)          # attn^T do   [NT, B, HV, C, V]
     qdo = einsum("...ck,...cv->...kv", terms.qg, do)           # qg^T do     [NT, B, HV, K, V]
@@ -123,4 +125,10 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_final: ja
     d_entry, ys = lax.scan(step, vary_like(d_last, terms.w), xs, reverse=True)
     if entry_only:
         return d_entry
-    return (d_entry, *ys)
+    dh_starts, x, dvn = ys
+    d_init = None
+    if with_d_init:
+        flat = dh_starts.reshape(-1, *dh_starts.shape[2:])
+        d_init = jax.ops.segment_sum(flat, layout.chunk_seq.reshape(-1),
+                                     layout.seq_ends_here.shape[0])
+    return d_entry, d_init, x, dvn
