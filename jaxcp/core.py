@@ -2,7 +2,8 @@
 
 Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V]
 (float32, or bf16 for the Pallas GDN kernels), g [NT, B, HV, C, Kg], beta [NT, B, HV, C]
-float32; initial states [N, HV, K, V] float32 or None.
+float32; or token-major [B, NT, C, HV, ...] for the Pallas GDN kernels when no sequence
+needs padding (``CoreConfig.token_major``); initial states [N, HV, K, V] float32 or None.
 
 Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
@@ -30,17 +31,19 @@ from jaxcp.xla import ChunkTerms
 @dataclass(frozen=True)
 class CoreConfig:
     """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all wraps
-    the op without CP, see ``cp.all_to_all``)."""
+    the op without CP, see ``cp.all_to_all``). token_major: q, k, v, g, beta (and o) are
+    [B, NT, C, HV, ...] instead of chunk layout (see ``stages``)."""
     scale: float
     output_final_state: bool
     cp_axis: str | None = None
     cp_strategy: str = "allgather"
     backend: str = "xla"
     dot_dtype: str = "float32"
+    token_major: bool = False
 
     @property
     def stages(self) -> Stages:
-        return stages_for(self.backend, self.dot_dtype)
+        return stages_for(self.backend, self.dot_dtype, self.token_major)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:

@@ -69,10 +69,11 @@ def build_layout(batch: int, t_local: int, chunk_size: int, cu_seqlens: jax.Arra
         last = (t_local - 1) // C
         starts_here = jnp.asarray(device_start == 0)
         ends_here = jnp.asarray(device_start + t_local == total)
+        per_chunk = lambda x: jnp.broadcast_to(x, (NT, batch))
         layout = ChunkLayout(
-            chunk_seq=jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[None], (NT, batch)),
-            chunk_starts=(c == 0) & starts_here,
-            chunk_ends=(c == last) & ends_here,
+            chunk_seq=per_chunk(jnp.arange(batch, dtype=jnp.int32)[None]),
+            chunk_starts=per_chunk((c == 0) & starts_here),
+            chunk_ends=per_chunk((c == last) & ends_here),
             seq_last_chunk=(last * batch + jnp.arange(batch)).astype(jnp.int32),
             seq_ends_here=jnp.broadcast_to(ends_here, (batch,)),
         )

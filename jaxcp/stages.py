@@ -4,6 +4,10 @@
 (``jaxcp.pallas``), compiled for the GPU or run in interpret mode: the chunk state
 recurrences (forward fused with the output, backward, CP summary) for both gates, and GDN's
 intra-chunk terms and input cotangents; KDA's (per-channel gate) stay in jnp.
+
+token_major (GDN, Pallas only): the token tensors q, k, v, g, beta, o, do and the input
+cotangents are [B, NT, C, HV, ...], a reshape of [B, T, HV, ...], and the kernels read and
+write them in place; otherwise they are in chunk layout [NT, B, HV, C, ...] like the terms.
 """
 from __future__ import annotations
 
@@ -27,9 +31,11 @@ class Stages(NamedTuple):
 
 
 @lru_cache(maxsize=None)
-def stages_for(backend: str, dot_dtype: str = "float32") -> Stages:
+def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = False) -> Stages:
     """dot_dtype: the operand dtype of the kernels' matrix products ("bfloat16" for bf16
     inputs, as FLA does; accumulation and the state stay float32)."""
+    if token_major and backend == "xla":
+        raise ValueError("token_major: only the Pallas GDN stages read token-major tensors")
     if backend == "xla":
         # the jnp chunk_grads recomputes the terms in its vjp and never reads the inverse
         intra = lambda q, k, v, g, beta, scale, with_inverse=False: xla.intra_chunk(
@@ -46,19 +52,21 @@ def stages_for(backend: str, dot_dtype: str = "float32") -> Stages:
     def intra(q, k, v, g, beta, scale, with_inverse=False):
         if g.shape[-1] == 1:
             return pallas_intra.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
-                                            interpret=interpret, precise=precise,
-                                            out_dtype=jnp.dtype(dot_dtype))
+                                            token_major=token_major, interpret=interpret,
+                                            precise=precise, out_dtype=jnp.dtype(dot_dtype))
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
     def chunk_grads(q, k, v, g, beta, scale, *rest):
         if g.shape[-1] == 1:
             return pallas_grads.chunk_grads(q, k, v, g, beta, scale, *rest,
-                                            interpret=interpret, precise=precise)
+                                            token_major=token_major, interpret=interpret,
+                                            precise=precise)
         return xla.chunk_grads(q, k, v, g, beta, scale, *rest)
 
     kw = dict(interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))
-    state_output, state_fwd, state_last, cp_summary, state_bwd = (partial(f, **kw) for f in (
-        pallas_state.state_output, pallas_state.state_fwd, pallas_state.state_last,
-        pallas_state.cp_summary, pallas_state.state_bwd))
+    state_fwd, state_last, cp_summary = (partial(f, **kw) for f in (
+        pallas_state.state_fwd, pallas_state.state_last, pallas_state.cp_summary))
+    state_output, state_bwd = (partial(f, token_major=token_major, **kw) for f in (
+        pallas_state.state_output, pallas_state.state_bwd))
     return Stages(intra, state_output, state_fwd, state_last, cp_summary, state_bwd,
                   chunk_grads)

@@ -226,7 +226,8 @@ def main(argv=None) -> int:
     elif not args.no_fla:
         n = W or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True,
                                     text=True).stdout.count("GPU "))
-        child = subprocess.run(["torchrun", f"--nproc_per_node={n}", __file__, "--fla-worker",
+        child = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                f"--nproc_per_node={n}", __file__, "--fla-worker",
                                 "--T", str(args.T), "--H", str(args.H), "--D", str(args.D),
                                 "--iters", str(args.iters)], stdout=subprocess.PIPE, text=True)
         if child.returncode == 0:

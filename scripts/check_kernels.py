@@ -2,9 +2,11 @@
 
     python scripts/check_kernels.py --backend pallas --T 1000 8192 --D 64 128 256
 
-For each op, T and K = V = D (bf16 inputs by default, q/k L2-normalised, a packed varlen
-layout and initial states): relative error of o, the final state and every gradient against
-the reference. Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
+For each op, layout, T and K = V = D (bf16 inputs by default, q/k L2-normalised, initial
+states): relative error of o, the final state and every gradient against the reference.
+Layouts: "varlen" packs sequences (cu_seqlens, B = 1); "batch" is B = 2 rows of one sequence
+each, without cu_seqlens (when T is a multiple of 64 the GDN kernels then read the tokens in
+place). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
 """
 from __future__ import annotations
 
@@ -12,6 +14,50 @@ import argparse
 import sys
 
 import numpy as np
+
+
+NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype) -> list[float]:
+    """Relative errors (NAMES) of the op against the float32 reference on one random problem."""
+    import jax
+    import jax.numpy as jnp
+    import jaxcp
+
+    op = jaxcp.chunk_gated_delta_rule if kind == "gdn" else jaxcp.chunk_kda
+    ref = jaxcp.gated_delta_rule_reference if kind == "gdn" else jaxcp.kda_reference
+    rng = np.random.default_rng(T + D)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    H = H if D <= 128 else max(1, H // 4)   # the reference keeps T states
+    B = 1 if layout == "varlen" else 2
+    q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D)
+    g = jax.nn.log_sigmoid(r(B, T, H) if kind == "gdn" else r(B, T, H, D) + 2.0)
+    beta = jax.nn.sigmoid(r(B, T, H))
+    cu = None
+    if layout == "varlen":
+        cuts = sorted({1, T // 3, T // 3 + 1, T // 2, (3 * T) // 4})
+        cu = jnp.asarray([0] + [c for c in cuts if 0 < c < T] + [T], jnp.int32)
+    h0 = r(B if cu is None else cu.shape[0] - 1, H, D, D) * 0.1
+    xs = tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
+    wo, wf = r(B, T, H, D), r(*h0.shape)
+
+    def loss(fn, **kw):
+        def f(*a):
+            o, final = fn(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu,
+                          use_qk_l2norm_in_kernel=True, **kw)
+            return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(final * wf), (o, final)
+        return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
+
+    (_, (o, f)), grads = loss(op, backend=backend)(*xs)
+    (_, (o_r, f_r)), grads_r = loss(ref)(*(x.astype(jnp.float32) for x in xs))
+    errs = []
+    for a, b in zip([o, f, *grads], [o_r, f_r, *grads_r]):
+        a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+        b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+        errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                    if np.all(np.isfinite(a)) else float("inf"))
+    return errs
 
 
 def main(argv=None) -> int:
@@ -22,62 +68,36 @@ def main(argv=None) -> int:
     ap.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--layouts", default="varlen,batch")
     args = ap.parse_args(argv)
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= {"varlen", "batch"}:
+        ap.error("--layouts: comma list of varlen, batch")
 
     import jax
     import jax.numpy as jnp
-    import jaxcp
 
     dtype = jnp.dtype(args.dtype)
     lim_o, lim = (5e-3, 1e-2) if args.dtype == "bfloat16" else (1e-4, 1e-4)
     rows, ok = [], True
-    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
     for kind in args.ops.split(","):
-        op = jaxcp.chunk_gated_delta_rule if kind == "gdn" else jaxcp.chunk_kda
-        ref = jaxcp.gated_delta_rule_reference if kind == "gdn" else jaxcp.kda_reference
-        for T in args.T:
-            for D in args.D:
-                rng = np.random.default_rng(T + D)
-                r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-                H = args.H if D <= 128 else max(1, args.H // 4)   # the reference keeps T states
-                q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
-                g = jax.nn.log_sigmoid(r(1, T, H) if kind == "gdn" else r(1, T, H, D) + 2.0)
-                beta = jax.nn.sigmoid(r(1, T, H))
-                cuts = sorted({1, T // 3, T // 3 + 1, T // 2, (3 * T) // 4})
-                cu = jnp.asarray([0] + [c for c in cuts if 0 < c < T] + [T], jnp.int32)
-                h0 = r(cu.shape[0] - 1, H, D, D) * 0.1
-                xs = tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
-                wo, wf = r(1, T, H, D), r(*h0.shape)
-
-                def loss(fn, **kw):
-                    def f(*a):
-                        o, final = fn(*a[:5], initial_state=a[5], output_final_state=True,
-                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=True, **kw)
-                        return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(final * wf), (o, final)
-                    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
-
-                (_, (o, f)), grads = loss(op, backend=args.backend)(*xs)
-                (_, (o_r, f_r)), grads_r = loss(ref)(*(x.astype(jnp.float32) for x in xs))
-                outs = [o, f, *grads]
-                refs = [o_r, f_r, *grads_r]
-                errs = []
-                for a, b in zip(outs, refs):
-                    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-                    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
-                    errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(b))
-                                if np.all(np.isfinite(a)) else float("inf"))
-                good = errs[0] < lim_o and all(e < lim for e in errs[1:])
-                ok &= good
-                rows.append((kind, T, D, errs, good))
-                print(f"{kind} T={T} D={D} H={H}: " + " ".join(
-                    f"{n}={e:.1e}" for n, e in zip(names, errs)) + (" ok" if good else " FAIL"),
-                    flush=True)
+        for lay in layouts:
+            for T in args.T:
+                for D in args.D:
+                    errs = check(kind, args.backend, lay, T, D, args.H, dtype)
+                    good = errs[0] < lim_o and all(e < lim for e in errs[1:])
+                    ok &= good
+                    rows.append((kind, lay, T, D, errs, good))
+                    print(f"{kind} {lay} T={T} D={D}: " + " ".join(
+                        f"{n}={e:.1e}" for n, e in zip(NAMES, errs))
+                        + (" ok" if good else " FAIL"), flush=True)
 
     print(f"backend={args.backend} dtype={args.dtype} H={args.H} device={jax.devices()[0].device_kind}"
           f" jax={jax.__version__}")
-    print(f"{'op':4} {'T':>6} {'D':>4} " + " ".join(f"{n:>8}" for n in names) + "  result")
-    for kind, T, D, errs, good in rows:
-        print(f"{kind:4} {T:>6} {D:>4} " + " ".join(f"{e:8.1e}" for e in errs)
+    print(f"{'op':4} {'layout':6} {'T':>6} {'D':>4} " + " ".join(f"{n:>8}" for n in NAMES)
+          + "  result")
+    for kind, lay, T, D, errs, good in rows:
+        print(f"{kind:4} {lay:6} {T:>6} {D:>4} " + " ".join(f"{e:8.1e}" for e in errs)
               + ("  ok" if good else "  FAIL"))
     print(f"limits: o < {lim_o:.0e}, others < {lim:.0e}: {'all ok' if ok else 'FAILURES'}")
     return 0 if ok else 1

@@ -2,11 +2,13 @@
 
     python scripts/profile_stages.py --T 32768 --H 64 --D 128
 
-Stages, as ``backend="pallas"`` runs them for bf16 inputs: the layout (pad + transpose to
-chunks), the intra-chunk terms, the forward state recurrence fused with the output (what
-the forward runs), the forward recurrence that stores h and v_new (what the backward
-recomputes), the reverse recurrence, and the input cotangents; then the whole op. Rows
-marked "variant" re-time a stage with another tile or warp count (not what ships).
+Stages, as ``backend="pallas"`` runs them for bf16 inputs and one sequence of whole chunks
+(the kernels read q, k, v, g, beta and write o token-major, in place): the L2 norm of q and
+k (XLA), the intra-chunk terms (with the inverse in the backward), the forward state
+recurrence fused with the output (what the forward runs), the forward recurrence that stores
+h and v_new (what the backward recomputes), the reverse recurrence, and the input
+cotangents; then the whole op. With --variants, rows marked "variant" re-time a stage in
+another form (not what ships): the chunk layout's transpose, other tile and warp counts.
 """
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--variants", action="store_true")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas import triton as pltriton
     import jaxcp
-    from jaxcp import xla
     from jaxcp.layout import build_layout, num_chunks, to_chunks
     from jaxcp.pallas import grads as pgrads
     from jaxcp.pallas import intra as pintra
@@ -40,11 +42,12 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     l2 = lambda x: (x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6))
-    q, k, v = l2(r(1, T, H, D)), l2(r(1, T, H, D)), r(1, T, H, D)
+    q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H, 1)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32))
     layout, tmap = build_layout(1, T, C, None, 0, T)
     NT = num_chunks(T, C, None)
+    tokens = lambda x: x.reshape(1, NT, C, *x.shape[2:])
     scale = D ** -0.5
     bf16 = jnp.dtype(jnp.bfloat16)
     rows = []
@@ -56,42 +59,44 @@ def main(argv=None):
         print(f"{name:44} {ms:9.3f} ms", flush=True)
         return fn(*xs)
 
-    chunks = timed("layout: to_chunks (q, k, v bf16; g, beta fp32)", lambda *xs: tuple(
-        to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
-    intra = partial(pintra.intra_chunk, scale=scale, precise=False, out_dtype=bf16)
-    terms = timed("intra_chunk", lambda *xs: intra(*xs), *chunks)
+    q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
+    chunks = tuple(map(tokens, (q, k, v, g, beta)))
+    intra = partial(pintra.intra_chunk, scale=scale, token_major=True, precise=False,
+                    out_dtype=bf16)
+    timed("intra_chunk", lambda *xs: intra(*xs), *chunks)
     terms = timed("intra_chunk with the inverse (backward)",
                   lambda *xs: intra(*xs, with_inverse=True), *chunks)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
-    timed("state_output (fwd recurrence + output)", lambda t: pstate.state_output(
-        t, layout, None, h0, False, dot_dtype=bf16)[0], terms)
+    output = lambda t: pstate.state_output(t, layout, None, h0, False, token_major=True,
+                                           dot_dtype=bf16)[0]
+    timed("state_output (fwd recurrence + output)", output, terms)
     h, vn, _ = timed("state_fwd (stores h, v_new)", lambda t: pstate.state_fwd(
         t, layout, None, h0, dot_dtype=bf16), terms)
-    do = r(*vn.shape)
+    do = tokens(r(1, T, H, D))
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
-        t, layout, d, None, h0, dot_dtype=bf16), terms, do)
-    grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], precise=False)
+        t, layout, d, None, h0, token_major=True, dot_dtype=bf16), terms, do)
+    grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], token_major=True,
+                                           precise=False)
     timed("chunk_grads", grads, *chunks, terms, h, vn, x, dvn, do)
-    f32 = lambda x: x.astype(jnp.float32)
-    timed("variant: chunk_grads (xla)", lambda *xs: xla.chunk_grads(
-        *map(f32, xs[:5]), scale, None, *xs[5:]), *chunks, h, vn, x, dvn, do)
 
-    for bv in (32, 16):
-        pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
-        timed(f"variant: state_output BV={bv}", lambda t: pstate.state_output(
-            t, layout, None, h0, False, dot_dtype=bf16)[0], terms)
-    for warps, stages in ((8, 1), (4, 2)):
-        params = lambda interpret, *_, w=warps, n=stages: {
-            "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
-        pintra._params, pgrads._params = params, params
-        timed(f"variant: intra_chunk {warps} warps, {stages} stages",
-              lambda *xs: intra(*xs), *chunks)
-        timed(f"variant: chunk_grads {warps} warps, {stages} stages", grads,
-              *chunks, terms, h, vn, x, dvn, do)
+    if args.variants:
+        timed("variant: to_chunks (chunk layout: pad + transpose)", lambda *xs: tuple(
+            to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
+        for bv in (32, 16):
+            pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
+            timed(f"variant: state_output BV={bv}", output, terms)
+        for warps, stages in ((8, 1), (4, 2)):
+            params = lambda interpret, *_, w=warps, n=stages: {
+                "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
+            pintra._params, pgrads._params = params, params
+            timed(f"variant: intra_chunk {warps} warps, {stages} stages",
+                  lambda *xs: intra(*xs), *chunks)
+            timed(f"variant: chunk_grads {warps} warps, {stages} stages", grads,
+                  *chunks, terms, h, vn, x, dvn, do)
+        import importlib
+        for mod in (pstate, pintra, pgrads):
+            importlib.reload(mod)
 
-    import importlib
-    for mod in (pstate, pintra, pgrads):
-        importlib.reload(mod)
     op = partial(jaxcp.chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True, backend="pallas")
     xs = (q, k, v, g[..., 0], beta.astype(jnp.bfloat16))
     timed("op forward", lambda *a: op(*a)[0], *xs)

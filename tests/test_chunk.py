@@ -66,10 +66,11 @@ def test_pallas_interpret_matches_reference(kind, dtype):
                             backend="interpret")
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_pallas_interpret_batch(kind):
-    """B = 2 without cu_seqlens through the Pallas kernels: one final state per batch row."""
-    args = make_inputs(kind, 2, 70, 1, 1, 16, 16, n_states=2)
+@pytest.mark.parametrize("kind, T", [("gdn", 70), ("kda", 70), ("gdn", 128)])
+def test_pallas_interpret_batch(kind, T):
+    """B = 2 without cu_seqlens through the Pallas kernels: one final state per batch row.
+    T = 128 is whole chunks, where the GDN kernels read the tokens in place (token-major)."""
+    args = make_inputs(kind, 2, T, 1, 2, 16, 16, n_states=2)
     check_against_reference(kind, args, jnp.float32, backend="interpret")
 
 

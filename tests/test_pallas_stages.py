@@ -13,6 +13,11 @@ from helpers import assert_rel, make_inputs
 KINDS = ["gdn", "kda"]
 
 
+def token_major(x):
+    """[NT, B, HV, C, ...] <-> [B, NT, C, HV, ...] (the permutation is its own inverse)."""
+    return jnp.moveaxis(x, (0, 1, 2, 3), (1, 0, 3, 2))
+
+
 def chunk_terms(kind, cu, T, HV=2, K=16, V=32, C=16, with_init=True, device=0, world=1,
                 gate_scale=1.0):
     q, k, v, g, beta, h0 = make_inputs(kind, 1, T, HV, HV, K, V, n_states=len(cu) - 1)
@@ -55,6 +60,8 @@ def test_state_output(kind, with_init):
     for name, a, b in zip(("o", "finals"), got, want):
         assert_rel(a, b, 1e-5, name)
     assert pstate.state_output(terms, layout, init, h0, False, interpret=True)[1] is None
+    o_tm = pstate.state_output(terms, layout, init, h0, False, token_major=True, interpret=True)
+    assert_rel(token_major(o_tm[0]), want[0], 1e-5, "o token-major")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,26 +92,31 @@ def test_state_bwd(kind, entry_only, device):
         want, got = (want,), (got,)
     else:
         assert pstate.state_bwd(terms, layout, do, d_final, d_last, interpret=True)[1] is None
+        got_tm = pstate.state_bwd(terms, layout, token_major(do), d_final, d_last,
+                                  with_d_init=True, token_major=True, interpret=True)
+        for name, a, b in zip(("d_entry", "d_init", "x", "dvn"), got_tm, want):
+            assert_rel(a, b, 1e-5, name + " token-major")
         assert (float(jnp.abs(got[1][0]).max()) == 0.0) == (device == 1)
     for name, a, b in zip(("d_entry", "d_init", "x", "dvn"), got, want):
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("C", [16, 64])
-def test_intra_chunk_gdn(C):
+@pytest.mark.parametrize("C, tm", [(16, False), (64, False), (16, True)])
+def test_intra_chunk_gdn(C, tm):
     q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, 32, 16)
     layout, tmap = build_layout(1, 70, C, None, 0, 70)
     ch = lambda x: to_chunks(x, tmap, num_chunks(70, C, None), C)
     args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
     want = xla.intra_chunk(*args, 0.25, with_inverse=True)
-    got = pintra.intra_chunk(*args, 0.25, with_inverse=True, interpret=True)
+    tm_args = tuple(map(token_major, args)) if tm else args
+    got = pintra.intra_chunk(*tm_args, 0.25, with_inverse=True, token_major=tm, interpret=True)
     assert pintra.intra_chunk(*args, 0.25, interpret=True).inv is None
     for name, a, b in zip(want._fields, got, want):
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("C, V", [(16, 16), (64, 128)])
-def test_chunk_grads_gdn(C, V):
+@pytest.mark.parametrize("C, V, tm", [(16, 16, False), (64, 128, False), (16, 16, True)])
+def test_chunk_grads_gdn(C, V, tm):
     q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, 32, V)
     layout, tmap = build_layout(1, 70, C, None, 0, 70)
     NT = num_chunks(70, C, None)
@@ -117,6 +129,11 @@ def test_chunk_grads_gdn(C, V):
             r(NT, 1, 2, C, V))
     terms = xla.intra_chunk(*args, 0.25, with_inverse=True)
     want = xla.chunk_grads(*args, 0.25, terms, *rest)
-    got = pgrads.chunk_grads(*args, 0.25, terms, *rest, interpret=True)
+    if tm:
+        got = pgrads.chunk_grads(*map(token_major, args), 0.25, terms, *rest[:4],
+                                 token_major(rest[4]), token_major=True, interpret=True)
+        got = tuple(map(token_major, got))
+    else:
+        got = pgrads.chunk_grads(*args, 0.25, terms, *rest, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, b, 1e-5, name)

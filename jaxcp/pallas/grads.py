@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.intra import _col_blocks, _cols, _dots, _f32, _gates, _gram, _specs
+from jaxcp.pallas.intra import (_chunk_specs, _col_blocks, _cols, _dots, _f32, _gates, _gram,
+                                token_dims)
 from jaxcp.pallas.state import _params
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
@@ -83,9 +84,10 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, 
         xk = k * (beta * gates.eg)[:, None]
         dxk = dot(inv.T, dw)
         da -= dot(dxk, _cols(w_ref, i, bk)[...].T)
-        _cols(dq_ref, i, bk)[...] = dqg * (gates.eg * scale)[:, None] + dot(d, k)
-        _cols(dk_ref, i, bk)[...] = (dxk * (beta * gates.eg)[:, None]
-                                     + dkd * gates.tail[:, None] + dot(d.T, q))
+        dq = dqg * (gates.eg * scale)[:, None] + dot(d, k)
+        _cols(dq_ref, i, bk)[...] = dq.astype(dq_ref.dtype)
+        dk = dxk * (beta * gates.eg)[:, None] + dkd * gates.tail[:, None] + dot(d.T, q)
+        _cols(dk_ref, i, bk)[...] = dk.astype(dk_ref.dtype)
         dbeta += gates.eg * jnp.sum(dxk * k, axis=1)
         dkd_kd = jnp.sum(dkd * k, axis=1) * gates.tail
         dG += (jnp.sum(dxk * xk, axis=1) + jnp.sum(dqg * q, axis=1) * gates.eg * scale
@@ -100,32 +102,37 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, 
     dbeta_ref[...] = (dbeta + jnp.sum(da_kk, axis=1)).astype(dbeta_ref.dtype)
     for i in range(K // bk):
         k = _cols(k_ref, i, bk)[...]
-        _cols(dk_ref, i, bk)[...] = _cols(dk_ref, i, bk)[...] + dot(z, k) + dot(z.T, k)
+        # the partial dk of step 2, as stored (rounded once more for bf16 inputs)
+        dk = _f32(_cols(dk_ref, i, bk)) + dot(z, k) + dot(z.T, k)
+        _cols(dk_ref, i, bk)[...] = dk.astype(dk_ref.dtype)
     # terms of dG_C reach every row of the reverse cumsum
     dG_last = dkd_kd_total + d_decay * gates.last
     dg_ref[...] = (jnp.sum(dG) - jnp.cumsum(dG) + dG + dG_last).astype(dg_ref.dtype)
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
-                interpret: bool = False, precise: bool = True):
-    """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) float32. terms must
-    carry the inverse (``intra_chunk(..., with_inverse=True)``)."""
+                token_major: bool = False, interpret: bool = False, precise: bool = True):
+    """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) in the dtypes and the
+    layout of q, k, v, g, beta (chunk layout, or [B, NT, C, HV, ...] with token_major, as
+    do); accumulation is float32. terms must carry the inverse
+    (``intra_chunk(..., with_inverse=True)``)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
-    NT, B, HV, C, K = k.shape
-    V = v.shape[-1]
-    tile, vec = _specs(C)
+    NT, B, HV, C = token_dims(k, token_major)
+    K, V = k.shape[-1], v.shape[-1]
+    sp = _chunk_specs(C, token_major)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     args, mat = unify([q, k, v, g[..., 0], beta, terms.w, terms.u, terms.attn, terms.inv, h,
                        v_new, x, dvn, do])
-    out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, jnp.float32, manual_axis_type=mat)
+    out = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=mat)
     kernel = partial(_grads_kernel, scale=scale,
                      dots=_dots(precise, interpret, rounded=True))
+    tk, tv, tvec = sp.token_tile(K), sp.token_tile(V), sp.token_vec
     dq, dk, dv, dg, dbeta = pl.pallas_call(
         kernel, grid=(NT, B, HV),
-        in_specs=[tile(K), tile(K), tile(V), vec, vec, tile(K), tile(V), tile(C), tile(C), state,
-                  tile(V), state, tile(V), tile(V)],
-        out_specs=[tile(K), tile(K), tile(V), vec, vec],
-        out_shape=[out(C, K), out(C, K), out(C, V), out(C), out(C)],
+        in_specs=[tk, tk, tv, tvec, tvec, sp.tile(K), sp.tile(V), sp.tile(C), sp.tile(C), state,
+                  sp.tile(V), state, sp.tile(V), tv],
+        out_specs=[tk, tk, tv, tvec, tvec],
+        out_shape=[out(q), out(k), out(v), out(g[..., 0]), out(beta)],
         **_params(interpret, 0))(*args)
     return dq, dk, dv, dg[..., None], dbeta

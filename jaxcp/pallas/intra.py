@@ -19,7 +19,7 @@ in registers).
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -161,30 +161,57 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd
         _cols(u_ref, j, bv)[...] = u.astype(u_ref.dtype)
 
 
-def _specs(C: int):
+class _ChunkSpecs(NamedTuple):
+    """BlockSpecs of a grid over (chunk, batch, head): `tile(d)` and `vec` for chunk terms
+    [NT, B, HV, C, d] and [NT, B, HV, C]; `token_tile(d)` and `token_vec` for the token
+    tensors (q, k, v, g, beta, do and their cotangents), in that layout too, or token-major
+    [B, NT, C, HV, d] and [B, NT, C, HV]: a reshape of [B, T, HV, d], no copy."""
+    tile: Callable
+    vec: pl.BlockSpec
+    token_tile: Callable
+    token_vec: pl.BlockSpec
+
+
+def _chunk_specs(C: int, token_major: bool) -> _ChunkSpecs:
     tile = lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h: (t, b, h, 0, 0))
     vec = pl.BlockSpec((None, None, None, C), lambda t, b, h: (t, b, h, 0))
-    return tile, vec
+    if not token_major:
+        return _ChunkSpecs(tile, vec, tile, vec)
+    token_tile = lambda d: pl.BlockSpec((None, None, C, None, d),
+                                        lambda t, b, h: (b, t, 0, h, 0))
+    token_vec = pl.BlockSpec((None, None, C, None), lambda t, b, h: (b, t, 0, h))
+    return _ChunkSpecs(tile, vec, token_tile, token_vec)
+
+
+def token_dims(x, token_major: bool) -> tuple[int, int, int, int]:
+    """(NT, B, HV, C) of a token tensor in chunk layout or token-major."""
+    if token_major:
+        B, NT, C, HV = x.shape[:4]
+        return NT, B, HV, C
+    return x.shape[:4]
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
-                interpret: bool = False, precise: bool = True,
+                token_major: bool = False, interpret: bool = False, precise: bool = True,
                 out_dtype=jnp.float32) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). precise: fp32 inputs (3xTF32
-    products) or bf16 inputs (bf16 and TF32 products, see ``_dots``); out_dtype is the dtype
-    of w, u, qg, kd, attn and inv (decay stays float32)."""
-    NT, B, HV, C, K = k.shape
-    V = v.shape[-1]
-    tile, vec = _specs(C)
+    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). q, k, v, g, beta in chunk
+    layout or, with token_major, [B, NT, C, HV, ...]; the terms are in chunk layout. precise:
+    fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
+    out_dtype is the dtype of w, u, qg, kd, attn and inv (decay stays float32)."""
+    NT, B, HV, C = token_dims(k, token_major)
+    K, V = k.shape[-1], v.shape[-1]
+    sp = _chunk_specs(C, token_major)
     args, mat = unify([q, k, v, g[..., 0], beta])
     out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, out_dtype, manual_axis_type=mat)
     shapes = [(C, K), (C, V), (C, K), (C, K), (C, C)] + [(C, C)] * with_inverse
     w, u, qg, kd, attn, *inv = pl.pallas_call(
         partial(_intra_kernel, scale=scale, dots=_dots(precise, interpret)), grid=(NT, B, HV),
-        in_specs=[tile(K), tile(K), tile(V), vec, vec],
-        out_specs=[tile(s[1]) for s in shapes],
+        in_specs=[sp.token_tile(K), sp.token_tile(K), sp.token_tile(V), sp.token_vec,
+                  sp.token_vec],
+        out_specs=[sp.tile(s[1]) for s in shapes],
         out_shape=[out(*s) for s in shapes],
         **_params(interpret, 0))(*args)
-    decay = jnp.exp(jnp.sum(g.astype(jnp.float32), axis=-2))
+    g_sum = jnp.sum(g.astype(jnp.float32), axis=2 if token_major else -2)
+    decay = jnp.exp(jnp.swapaxes(g_sum, 0, 1) if token_major else g_sum)
     return ChunkTerms(w=w, u=u, qg=qg, kd=kd, decay=decay, attn=attn,
                       inv=inv[0] if inv else None)

@@ -72,6 +72,7 @@ class _Specs(NamedTuple):
     """BlockSpecs of the grid (batch, value head, block of BV state columns)."""
     chunk_k: pl.BlockSpec      # [NT, C, K] tiles of one head
     chunk_v: pl.BlockSpec      # [NT, C, BV]
+    token_v: pl.BlockSpec      # [NT, C, BV] of o or do: chunk_v, or from [B, NT, C, HV, V]
     chunk_cc: pl.BlockSpec     # [NT, C, C]
     chunk_state: pl.BlockSpec  # [NT, K, BV]
     per_chunk: pl.BlockSpec    # [NT] layout fields of one batch row
@@ -80,10 +81,13 @@ class _Specs(NamedTuple):
     seq_state: Callable        # n_seqs -> [N, K, BV] (initial states, final-state cotangents)
 
 
-def _specs(NT: int, C: int, K: int, BV: int, gdn: bool) -> _Specs:
+def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _Specs:
+    chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
     return _Specs(
         chunk_k=pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0)),
-        chunk_v=pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j)),
+        chunk_v=chunk_v,
+        token_v=(pl.BlockSpec((None, NT, C, None, BV), lambda b, h, j: (b, 0, 0, h, j))
+                 if token_major else chunk_v),
         chunk_cc=pl.BlockSpec((NT, None, None, C, C), lambda b, h, j: (0, b, h, 0, 0)),
         chunk_state=pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j)),
         per_chunk=pl.BlockSpec((NT, None), lambda b, h, j: (0, b)),
@@ -94,14 +98,14 @@ def _specs(NT: int, C: int, K: int, BV: int, gdn: bool) -> _Specs:
     )
 
 
-def _setup(terms: ChunkTerms, cols: int):
+def _setup(terms: ChunkTerms, cols: int, token_major: bool = False):
     """Shapes, state-column block, gate kind, decay operand and BlockSpecs of one call over
-    `cols` state columns."""
+    `cols` state columns (token_major: o or do is [B, NT, C, HV, V])."""
     NT, B, HV, C, K = terms.w.shape
     BV = _block_cols(cols, K)
     gdn = terms.decay.shape[-1] == 1
     decay = terms.decay[..., 0] if gdn else terms.decay
-    return (NT, B, HV, C, K), BV, gdn, decay, _specs(NT, C, K, BV, gdn)
+    return (NT, B, HV, C, K), BV, gdn, decay, _specs(NT, C, K, BV, gdn, token_major)
 
 
 def _with_states(sp: _Specs, in_specs: list, args: list, seq_states, carry):
@@ -169,12 +173,14 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_fina
 
 
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bool, store_h: bool,
-                 interpret: bool, dot_dtype, with_output: bool = False, with_finals: bool = False):
+                 interpret: bool, dot_dtype, with_output: bool = False, with_finals: bool = False,
+                 token_major: bool = False):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
-    the transition with u = 0); with_output adds o, with_finals the final states. Returns
-    the outputs in the order (h, v_new), o, finals, last state."""
+    the transition with u = 0); with_output adds o (token_major: [B, NT, C, HV, V]),
+    with_finals the final states. Returns the outputs in the order (h, v_new), o, finals,
+    last state."""
     cols = h0.shape[-1]
-    (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols)
+    (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols, token_major)
     has_init = init is not None
     grid = (B, HV, cols // BV)
     in_specs = [sp.chunk_k, sp.chunk_k, sp.decay, sp.per_chunk, sp.per_chunk]
@@ -198,8 +204,9 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
         out_shape += [struct(NT, B, HV, K, cols, dtype=dot_dtype),
                       struct(NT, B, HV, C, cols, dtype=dot_dtype)]
     if with_output:
-        out_specs.append(sp.chunk_v)
-        out_shape.append(struct(NT, B, HV, C, cols, dtype=terms.u.dtype))
+        out_specs.append(sp.token_v)
+        o_shape = (B, NT, C, HV, cols) if token_major else (NT, B, HV, C, cols)
+        out_shape.append(struct(*o_shape, dtype=terms.u.dtype))
     if with_finals:
         out_specs.append(sp.seq_state(n_seqs))
         out_shape.append(struct(n_seqs, HV, K, cols))
@@ -213,14 +220,16 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
                           **_params(interpret, tile_bytes))(*args)
 
 
-def state_output(terms, layout, init, h0, with_finals: bool, *, interpret=False,
-                 dot_dtype=jnp.float32):
+def state_output(terms, layout, init, h0, with_finals: bool, *, token_major=False,
+                 interpret=False, dot_dtype=jnp.float32):
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
-    Returns (o [NT, B, HV, C, V] in the dtype of u, finals [N, HV, K, V] or None)."""
+    Returns (o [NT, B, HV, C, V], or [B, NT, C, HV, V] with token_major, in the dtype of u;
+    finals [N, HV, K, V] or None)."""
     out = _run_forward(terms, layout, init, h0, u_cols=True, store_h=False, interpret=interpret,
-                       dot_dtype=dot_dtype, with_output=True, with_finals=with_finals)
+                       dot_dtype=dot_dtype, with_output=True, with_finals=with_finals,
+                       token_major=token_major)
     return out[0], (out[1] if with_finals else None)
 
 
@@ -287,15 +296,16 @@ def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init):
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
-              with_d_init: bool = False, entry_only: bool = False, interpret: bool = False,
-              dot_dtype=jnp.float32):
+              with_d_init: bool = False, entry_only: bool = False, token_major: bool = False,
+              interpret: bool = False, dot_dtype=jnp.float32):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
-    X and dvn in dot_dtype (they feed only the input cotangents' products)."""
+    X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
+    layout or, with token_major, [B, NT, C, HV, V]."""
     V = do.shape[-1]
-    (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V)
+    (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V, token_major)
     has_final = d_final is not None
     with_d_init = with_d_init and not entry_only
-    in_specs = [sp.chunk_k, sp.chunk_k, sp.chunk_k, sp.chunk_cc, sp.decay, sp.chunk_v,
+    in_specs = [sp.chunk_k, sp.chunk_k, sp.chunk_k, sp.chunk_cc, sp.decay, sp.token_v,
                 sp.per_chunk, sp.per_chunk, sp.per_chunk]
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
     args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
