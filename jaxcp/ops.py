@@ -24,6 +24,8 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     world = check_inputs(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                          chunk_size=chunk_size, backend=backend)
+    if cu_seqlens is not None and cu_seqlens.shape[0] == 2:
+        cu_seqlens = None        # one sequence, [0, T): the same as B = 1 without cu_seqlens
     if cp_axis is not None and cp_strategy == "all_to_all":
         run = lambda q, k, v, g, beta, h0: _chunk_op(
             kind, q, k, v, g, beta, scale=scale, initial_state=h0,

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from jax_timing import median_ms
+from report_notes import notes_beside
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
 
@@ -181,7 +182,7 @@ def report(path: str) -> None:
         rate = "-" if r["strategy"] == "none" or not t_none else f"{t_none / W / r['ms']:.0%}"
         lines.append(f"| {r['impl']} | {r['strategy']} | {r['nseq']} | {r['pass']} | "
                      f"{r['ms']:.2f} | {rate} |")
-    lines += ["", f"![cp]({os.path.basename(base)}.png)", ""]
+    lines += ["", f"![cp]({os.path.basename(base)}.png)", ""] + notes_beside(base)
     open(base + ".md", "w").write("\n".join(lines))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, passes in zip(axes, ("fwd", "fwd+bwd")):

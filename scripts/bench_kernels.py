@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from jax_timing import median_ms
+from report_notes import notes_beside
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
 CHUNK = 64
@@ -139,9 +140,7 @@ def report(path: str) -> None:
     lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
               "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s; see `floor_ms` in the script.",
               "", f"![kernels]({os.path.basename(base)}.png)", ""]
-    notes = base + ".notes.md"
-    if os.path.exists(notes):
-        lines += [open(notes).read()]
+    lines += notes_beside(base)
     open(base + ".md", "w").write("\n".join(lines))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

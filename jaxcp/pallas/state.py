@@ -47,11 +47,15 @@ def _params(interpret: bool, tile_bytes: int):
     return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=stages)}
 
 
-def _dot(a, b):
-    """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16, and
-    fp32 x fp32 runs in IEEE fp32 (not TF32), so the fp32 path and the M chain stay fp32."""
+def _dot(a, b, interpret: bool):
+    """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16.
+    fp32 x fp32 (the fp32 path and the CP transition M) runs as 3xTF32 on tensor cores,
+    ~1e-7 relative per product (IEEE fp32 products would be FMA loops on CUDA cores).
+    Interpret mode computes IEEE fp32."""
     dtype = a.dtype if a.dtype == b.dtype else jnp.bfloat16
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    precision = None
+    if dtype == jnp.float32:
+        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32,
                    precision=precision)
 
@@ -134,7 +138,8 @@ def _per_seq_output(sp: _Specs, in_specs: list, args: list, n_seqs: int, cols: i
     return aliases
 
 
-def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_finals):
+def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_finals, interpret):
+    dot = partial(_dot, interpret=interpret)
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
     u_ref = next(it) if has_u else None
@@ -156,13 +161,13 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_fina
         state = jnp.where(starts_ref[i] != 0, fresh, state)
         if store_h:
             h_ref[i] = state.astype(h_ref.dtype)
-        w_s = _dot(w_ref[i], state)
+        w_s = dot(w_ref[i], state)
         v_new = u_ref[i] - w_s if has_u else -w_s
         if store_h:
             vn_ref[i] = v_new.astype(vn_ref.dtype)
         if with_output:
-            o_ref[i] = (_dot(qg_ref[i], state) + _dot(attn_ref[i], v_new)).astype(o_ref.dtype)
-        out = _decay(dec_ref, i, gdn) * state + _dot(kd_ref[i].T, v_new)
+            o_ref[i] = (dot(qg_ref[i], state) + dot(attn_ref[i], v_new)).astype(o_ref.dtype)
+        out = _decay(dec_ref, i, gdn) * state + dot(kd_ref[i].T, v_new)
         if with_finals:
             @pl.when(ends_ref[i] != 0)
             def _():
@@ -213,7 +218,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     out_specs.append(sp.state)
     out_shape.append(struct(B, HV, K, cols))
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
-                     store_h=store_h, with_output=with_output, with_finals=with_finals)
+                     store_h=store_h, with_output=with_output, with_finals=with_finals,
+                     interpret=interpret)
     tile_bytes = C * (2 * K + BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, input_output_aliases=aliases,
@@ -258,7 +264,8 @@ def cp_summary(terms, layout, init, *, interpret=False, dot_dtype=jnp.float32):
     return ext, m
 
 
-def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init):
+def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init, interpret):
+    dot = partial(_dot, interpret=interpret)
     it = iter(refs)
     w_ref, kd_ref, qg_ref, attn_ref, dec_ref, do_ref, starts_ref, ends_ref, seq_ref = (
         next(it) for _ in range(9))
@@ -279,9 +286,9 @@ def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init):
         if has_final:
             x = x + jnp.where(ends_ref[i] != 0, final_ref[seq_ref[i]], 0.0)
         do = do_ref[i]
-        dvn = _dot(attn_ref[i].T, do) + _dot(kd_ref[i], x)
-        dh = (_decay(dec_ref, i, gdn) * x + _dot(qg_ref[i].T, do)
-              - _dot(w_ref[i].T, dvn))
+        dvn = dot(attn_ref[i].T, do) + dot(kd_ref[i], x)
+        dh = (_decay(dec_ref, i, gdn) * x + dot(qg_ref[i].T, do)
+              - dot(w_ref[i].T, dvn))
         start = starts_ref[i] != 0
         if not entry_only:
             x_ref[i] = x.astype(x_ref.dtype)
@@ -322,7 +329,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
                       struct(NT, B, HV, C, V, dtype=dot_dtype)]
                      + [struct(n_seqs, HV, K, V)] * with_d_init + [struct(B, HV, K, V)])
     kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only,
-                     with_d_init=with_d_init)
+                     with_d_init=with_d_init, interpret=interpret)
     tile_bytes = C * (3 * K + C + BV) * jnp.dtype(dot_dtype).itemsize
     out = pl.pallas_call(kernel, grid=(B, HV, V // BV), in_specs=in_specs, out_specs=out_specs,
                          out_shape=out_shape, input_output_aliases=aliases,
