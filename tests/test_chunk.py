@@ -74,6 +74,14 @@ def test_pallas_interpret_batch(kind, T):
     check_against_reference(kind, args, jnp.float32, backend="interpret")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_interpret_single_sequence_cu_seqlens(dtype):
+    """cu_seqlens = [0, T] is one sequence, which takes the kernels' in-place token path."""
+    args = make_inputs("gdn", 1, 128, 1, 2, 16, 16, dtype=dtype, n_states=1)
+    check_against_reference("gdn", args, dtype, cu_seqlens=jnp.asarray([0, 128], jnp.int32),
+                            use_qk_l2norm_in_kernel=True, backend="interpret")
+
+
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_custom_scale_and_no_state(kind):
     op, ref = OPS[kind]
