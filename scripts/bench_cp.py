@@ -24,12 +24,17 @@ from report_notes import notes_beside
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
 
 
-def layouts(T: int) -> list[list[int]]:
-    """One sequence, and the packed set (scaled to T)."""
-    return [[0, T], [round(c * T / VARLEN[-1]) for c in VARLEN]]
+LAYOUTS = ("single", "packed")
 
 
-def fla_worker(T: int, H: int, D: int, iters: int) -> None:
+def layouts(T: int, names=LAYOUTS) -> list[list[int]]:
+    """cu_seqlens of the named layouts: "single" (one sequence), "packed" (the set of 10,
+    scaled to T)."""
+    cus = {"single": [0, T], "packed": [round(c * T / VARLEN[-1]) for c in VARLEN]}
+    return [cus[n] for n in names]
+
+
+def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
     """One torchrun rank: FLA's no-CP time, its KCP, and a head all-to-all around FLA's
     single-device op (q, k, v, g, beta exchanged from [1, T/W, H] to [1, T, H/W] shards, the
     output and, with the backward, the cotangent and the gradients exchanged back: the
@@ -81,7 +86,7 @@ def fla_worker(T: int, H: int, D: int, iters: int) -> None:
     g = F.logsigmoid(torch.randn(1, T, H, device=dev))
     beta = mk(1, T, H).sigmoid()
     records = []
-    for cu_list in layouts(T):
+    for cu_list in layouts(T, names):
         cu = torch.tensor(cu_list, device=dev, dtype=torch.long)
         TL = T // W
         local = [x[:, rank * TL:(rank + 1) * TL] for x in (q, k, v, g, beta)]
@@ -119,7 +124,7 @@ def fla_worker(T: int, H: int, D: int, iters: int) -> None:
 
 
 def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
-              done=lambda records: None) -> list[dict]:
+              done=lambda records: None, names=LAYOUTS) -> list[dict]:
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -136,7 +141,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     xs = (q, k, v, g, beta)
 
     records = []
-    for cu_list in layouts(T):
+    for cu_list in layouts(T, names):
         cu = jnp.asarray(cu_list, jnp.int32)
         kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend=backend)
         for strategy in ["none"] + list(strategies):
@@ -208,14 +213,19 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--strategies", default="allgather,all_to_all,relay")
     ap.add_argument("--backend", default="pallas", choices=["pallas", "xla", "interpret"])
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="comma list of single (one sequence), packed (10 sequences)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fla-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    names = tuple(args.layouts.split(","))
+    if not set(names) <= set(LAYOUTS):
+        ap.error("--layouts: comma list of " + ", ".join(LAYOUTS))
     if args.report:
         report(args.report)
         return 0
     if args.fla_worker:
-        fla_worker(args.T, args.H, args.D, args.iters)
+        fla_worker(args.T, args.H, args.D, args.iters, names)
         return 0
     records = []
     gpus = shutil.which("nvidia-smi") is not None
@@ -230,7 +240,8 @@ def main(argv=None) -> int:
         child = subprocess.run([sys.executable, "-m", "torch.distributed.run",
                                 f"--nproc_per_node={n}", __file__, "--fla-worker",
                                 "--T", str(args.T), "--H", str(args.H), "--D", str(args.D),
-                                "--iters", str(args.iters)], stdout=subprocess.PIPE, text=True)
+                                "--iters", str(args.iters), "--layouts", args.layouts],
+                               stdout=subprocess.PIPE, text=True)
         if child.returncode == 0:
             records += json.loads(child.stdout.strip().splitlines()[-1])
         else:
@@ -245,7 +256,7 @@ def main(argv=None) -> int:
 
     save()
     records += run_jaxcp(args.T, args.H, args.D, W or len(jax.devices()), args.iters,
-                         args.strategies.split(","), args.backend, save)
+                         args.strategies.split(","), args.backend, save, names)
     save()
     return 0
 
