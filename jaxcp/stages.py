@@ -49,15 +49,22 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
     interpret = backend == "interpret"
     precise = dot_dtype == "float32"
 
-    def intra(q, k, v, g, beta, scale, with_inverse=False):
+    def per_channel_gate(g):
         if g.shape[-1] == 1:
+            return False
+        if token_major:
+            raise ValueError("token_major: KDA's jnp stages read chunk layout only")
+        return True
+
+    def intra(q, k, v, g, beta, scale, with_inverse=False):
+        if not per_channel_gate(g):
             return pallas_intra.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
                                             token_major=token_major, interpret=interpret,
                                             precise=precise, out_dtype=jnp.dtype(dot_dtype))
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
     def chunk_grads(q, k, v, g, beta, scale, *rest):
-        if g.shape[-1] == 1:
+        if not per_channel_gate(g):
             return pallas_grads.chunk_grads(q, k, v, g, beta, scale, *rest,
                                             token_major=token_major, interpret=interpret,
                                             precise=precise)

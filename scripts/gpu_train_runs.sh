@@ -48,12 +48,15 @@ run() {  # run NAME TRAIN_FLAGS...
 }
 
 for name in ${RUNS:-cp4 single dp4}; do
-  case $name in
-    cp[0-9]*) run "$name" --mesh "data=1,seq=${name#cp}" --batch 1 ;;
-    single) CUDA_VISIBLE_DEVICES=$first_gpu run single --mesh data=1,seq=1 --batch 1 ;;
-    dp[0-9]*) run "$name" --mesh "data=${name#dp},seq=1" --batch "${name#dp}" ;;
-    *) echo "unknown run $name (cpN, single, dpN)" >&2; exit 2 ;;
-  esac
+  if [[ $name =~ ^cp[0-9]+$ ]]; then
+    run "$name" --mesh "data=1,seq=${name#cp}" --batch 1
+  elif [[ $name =~ ^dp[0-9]+$ ]]; then
+    run "$name" --mesh "data=${name#dp},seq=1" --batch "${name#dp}"
+  elif [[ $name == single ]]; then
+    CUDA_VISIBLE_DEVICES=$first_gpu run single --mesh data=1,seq=1 --batch 1
+  else
+    echo "unknown run $name (cpN, single, dpN)" >&2; exit 2
+  fi
 done
 
 "$py" scripts/report_train.py "$out"/*/ --out "$report" || failed=1

@@ -97,9 +97,9 @@ def test_cp_varlen_pallas_interpret(kind, W, strategy):
             backend="interpret")
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "relay"])
+@pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
 def test_cp_token_major_pallas_interpret(strategy):
     """GDN without cu_seqlens and whole chunks per device: the Pallas kernels read q, k, v,
     g, beta and write o in place ([B, T, HV, D] reshaped), under CP."""
-    args = make_inputs("gdn", 2, 2 * 64, 1, 2, 16, 16, n_states=2)
+    args = make_inputs("gdn", 2, 2 * 64, 2, 2, 16, 16, n_states=2)
     compare("gdn", 2, strategy, args, None, check_vma=False, backend="interpret")

@@ -89,6 +89,9 @@ def test_state_bwd(kind, entry_only, device):
     got = pstate.state_bwd(terms, layout, do, d_final, d_last, with_d_init=True,
                            entry_only=entry_only, interpret=True)
     if entry_only:
+        got_tm = pstate.state_bwd(terms, layout, token_major(do), d_final, d_last,
+                                  entry_only=True, token_major=True, interpret=True)
+        assert_rel(got_tm, want, 1e-5, "d_entry token-major")
         want, got = (want,), (got,)
     else:
         assert pstate.state_bwd(terms, layout, do, d_final, d_last, interpret=True)[1] is None

@@ -33,8 +33,9 @@ from jaxcp.xla.intra import ChunkTerms
 
 class _Dots(NamedTuple):
     """a @ b with fp32 accumulation at three precisions: `native` for tiles as loaded (bf16
-    MMA for bf16 inputs), `plain` for products of fp32 tiles, `inverse` for the chain of
-    products that builds (I + A)^-1 (rounding there compounds)."""
+    MMA for bf16 inputs), `plain` for products with fp32 operands (which `rounded` turns
+    into bf16 MMAs), `inverse` for the chain of products that builds (I + A)^-1 (rounding
+    there compounds)."""
     native: callable
     plain: callable
     inverse: callable

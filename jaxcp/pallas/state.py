@@ -2,7 +2,8 @@
 
 Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis 0, then
 batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
-[NT, B, HV, Kg]; layout fields [NT, B]; states [B, HV, K, V] float32.
+[NT, B, HV, Kg]; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
+``state_output``'s o and ``state_bwd``'s do may be token-major, [B, NT, C, HV, V].
 
 One program per (batch, value head, block of BV state columns) runs a fori_loop over the
 chunks with its [K, BV] slice of the state in fp32 registers:

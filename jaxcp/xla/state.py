@@ -118,7 +118,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_final: ja
         nxt = jnp.where(is_start, 0.0, dh)
         if entry_only:
             return nxt, None
-        return nxt, (jnp.where(is_start, dh, 0.0), x, dvn)
+        return nxt, (jnp.where(is_start, dh, 0.0) if with_d_init else None, x, dvn)
 
     xs = (terms.w, terms.kd, terms.decay, p, qdo, layout.chunk_starts, layout.chunk_ends,
           layout.chunk_seq)
