@@ -189,14 +189,15 @@ def report(path: str) -> None:
                      f"{r['ms']:.2f} | {rate} |")
     lines += ["", f"![cp]({os.path.basename(base)}.png)", ""] + notes_beside(base)
     open(base + ".md", "w").write("\n".join(lines))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
         rows = [r for r in records if r["pass"] == passes]
         labels = [f"{r['impl'].replace('jaxcp-', '')}\n{r['strategy']}\n{r['nseq']} seq" for r in rows]
         ax.bar(range(len(rows)), [r["ms"] for r in rows])
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_xticklabels(labels, fontsize=7, rotation=90)
         ax.set_ylabel("ms (lower is better)")
+        ax.set_yscale("log")
         ax.set_title(f"GDN {passes}, W = {W}")
     fig.tight_layout()
     fig.savefig(base + ".png", dpi=110)
