@@ -140,3 +140,13 @@ def test_chunk_grads_gdn(C, V, tm):
         got = pgrads.chunk_grads(*args, 0.25, terms, *rest, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, b, 1e-5, name)
+
+
+def test_token_major_only_for_pallas_gdn():
+    from jaxcp.stages import stages_for
+    with pytest.raises(ValueError, match="token_major"):
+        stages_for("xla", "float32", True)
+    q, k, v, g, beta, _ = make_inputs("kda", 1, 64, 1, 1, 16, 16)
+    tm = lambda x: x.reshape(1, 1, 64, *x.shape[2:])
+    with pytest.raises(ValueError, match="token_major"):
+        stages_for("interpret", "float32", True).intra(*map(tm, (q, k, v, g, beta)), 0.25)
