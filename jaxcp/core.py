@@ -97,10 +97,10 @@ def _forward(cfg, q, k, v, g, beta, init, layout):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layout: ChunkLayout):
-    """o [NT, B, HV, C, V] (token-major: [B, NT, C, HV, V]) and the final states [N, HV, K, V] of the sequences that end on this
-    device, zero for the others (None unless cfg.output_final_state); under CP the caller sums
-    them over the axis, outside this vjp, so that JAX transposes the sum for either setting
-    of shard_map's check_vma."""
+    """o [NT, B, HV, C, V] (token-major: [B, NT, C, HV, V]) and the final states [N, HV, K, V]
+    of the sequences that end on this device, zero for the others (None unless
+    cfg.output_final_state); under CP the caller sums them over the axis, outside this vjp,
+    so that JAX transposes the sum for either setting of shard_map's check_vma."""
     return _forward(cfg, q, k, v, g, beta, init, layout)[0]
 
 

@@ -40,9 +40,9 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     f32 = lambda x: x.astype(jnp.float32)
     backend = resolve_backend(backend)
     dot_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
+    gdn_kernels = backend != "xla" and kind == "gdn"
     # GDN's Pallas kernels read bf16 q, k, v as they are (half the bytes of the chunk layout)
-    bf16_io = dot_dtype == "bfloat16" and backend != "xla" and kind == "gdn"
-    io = jnp.bfloat16 if bf16_io else jnp.float32
+    io = jnp.bfloat16 if gdn_kernels and dot_dtype == "bfloat16" else jnp.float32
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q), l2_normalize(k)
@@ -54,7 +54,7 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     layout, token_map = build_layout(B, T, chunk_size, cu_seqlens, device_start, T * world)
     NT = num_chunks(T, chunk_size, n_seqs)
     # whole chunks of one sequence each: the GDN kernels read the tokens where they are
-    token_major = backend != "xla" and kind == "gdn" and token_map is None and T % chunk_size == 0
+    token_major = gdn_kernels and token_map is None and T % chunk_size == 0
     if token_major:
         chunk = lambda x: x.reshape(B, NT, chunk_size, *x.shape[2:])
         unchunk = lambda y: y.reshape(B, T, *y.shape[3:])

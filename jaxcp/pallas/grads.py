@@ -2,10 +2,10 @@
 head): the cotangents of the chunk terms and the intra-chunk backward (WY included), fused.
 
 Twin of ``jaxcp.xla.grads.chunk_grads``, same layout: q, k [NT, B, HV, C, K], v [NT, B,
-HV, C, V], g [NT, B, HV, C, 1], beta [NT, B, HV, C] (or all token-major, [B, NT, C, HV, ...]); the chunk terms w [.., C, K], u
-[.., C, V], attn and T = (I + A)^-1 [.., C, C] (``intra`` with the inverse); from the
-recurrences h (state entering each chunk) and X = dL/dS_out [NT, B, HV, K, V], v_new,
-dvn = dL/dv_new and do [NT, B, HV, C, V]. With G = cumsum(g), E_ij = exp(G_i - G_j),
+HV, C, V], g [NT, B, HV, C, 1], beta [NT, B, HV, C] (or all token-major, [B, NT, C, HV,
+...]); the chunk terms w [.., C, K], u [.., C, V], attn and T = (I + A)^-1 [.., C, C]
+(``intra`` with the inverse); from the recurrences h (state entering each chunk) and
+X = dL/dS_out [NT, B, HV, K, V], v_new, dvn = dL/dv_new and do [NT, B, HV, C, V]. With G = cumsum(g), E_ij = exp(G_i - G_j),
 Xk = beta exp(G) k (so w = T Xk, u = T (beta v)):
 
     1. per block of value columns:

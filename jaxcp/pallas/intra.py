@@ -26,40 +26,32 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.state import _params
+from jaxcp.pallas.state import _params, fp32_precision
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
 
 
 class _Dots(NamedTuple):
-    """a @ b with fp32 accumulation at three precisions: `native` for tiles as loaded (bf16
-    MMA for bf16 inputs), `plain` for products with fp32 operands (which `rounded` turns
-    into bf16 MMAs), `inverse` for the chain of products that builds (I + A)^-1 (rounding
-    there compounds)."""
+    """a @ b with fp32 accumulation: `native` for tiles as loaded (bf16 MMA for bf16
+    inputs), `plain` for products with fp32 operands (the inverse's chain included)."""
     native: callable
     plain: callable
-    inverse: callable
 
 
 def _dots(precise: bool, interpret: bool, *, rounded: bool = False) -> _Dots:
-    """precise (fp32 inputs): 3xTF32 everywhere, on tensor cores (IEEE fp32 products would
-    run on CUDA cores). Otherwise (bf16 inputs): bf16 products of the inputs and single TF32
-    products of fp32 tiles, the inverse's chain included: its error, ~2e-4 relative on w, is
-    far under the bf16 rounding w is stored with (~2e-3; scripts/inverse_precision.py).
-    rounded (bf16 inputs only): fp32 tiles are rounded to bf16 for `plain` products, for
-    kernels whose results are gradients. Interpret mode (CPU) computes IEEE fp32."""
+    """precise (fp32 inputs): 3xTF32 everywhere, on tensor cores (``fp32_precision``).
+    Otherwise (bf16 inputs): bf16 products of the inputs and single TF32 products of fp32
+    tiles, the inverse's chain included: its error, ~2e-4 relative on w, is far under the
+    bf16 rounding w is stored with (~2e-3; scripts/inverse_precision.py). rounded (bf16
+    inputs only): fp32 operands are rounded to bf16 for `plain` products, for kernels whose
+    results are gradients. Interpret mode (CPU) computes IEEE fp32."""
     def dot(precision):
         return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-    if interpret:
-        exact = dot(lax.Precision.HIGHEST)
-        return _Dots(exact, exact, exact)
-    if precise:
-        x3 = dot(lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-        return _Dots(x3, x3, x3)
+    if interpret or precise:
+        exact = dot(fp32_precision(interpret))
+        return _Dots(exact, exact)
     tf32 = dot(None)
-    if rounded:
-        return _Dots(tf32, _bf16_dot, tf32)
-    return _Dots(tf32, tf32, tf32)
+    return _Dots(tf32, _bf16_dot if rounded else tf32)
 
 
 def _bf16_dot(a, b):
@@ -133,7 +125,7 @@ def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int):
     C = kk.shape[0]
     eye = jnp.where(lax.broadcasted_iota(jnp.int32, (C, C), 0)
                     == lax.broadcasted_iota(jnp.int32, (C, C), 1), 1.0, 0.0)
-    return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), eye, dots.inverse)
+    return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), eye, dots.plain)
 
 
 def _f32(ref):

@@ -48,15 +48,18 @@ def _params(interpret: bool, tile_bytes: int):
     return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=stages)}
 
 
+def fp32_precision(interpret: bool):
+    """How the kernels multiply fp32 operands that must stay fp32-accurate: 3xTF32 on tensor
+    cores, ~1e-7 relative per product (IEEE fp32 products would be FMA loops on CUDA
+    cores); IEEE fp32 in interpret mode (CPU)."""
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 def _dot(a, b, interpret: bool):
     """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16.
-    fp32 x fp32 (the fp32 path and the CP transition M) runs as 3xTF32 on tensor cores,
-    ~1e-7 relative per product (IEEE fp32 products would be FMA loops on CUDA cores).
-    Interpret mode computes IEEE fp32."""
+    fp32 x fp32 (the fp32 path and the CP transition M) runs at ``fp32_precision``."""
     dtype = a.dtype if a.dtype == b.dtype else jnp.bfloat16
-    precision = None
-    if dtype == jnp.float32:
-        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    precision = fp32_precision(interpret) if dtype == jnp.float32 else None
     return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32,
                    precision=precision)
 
