@@ -128,7 +128,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     import numpy as np
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxcp
 
     devices = jax.devices()[:W]
@@ -138,7 +138,11 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H))
-    xs = (q, k, v, g, beta)
+    on_one = (q, k, v, g, beta)
+    # CP inputs start sharded over the devices, as they are inside a sharded training step:
+    # otherwise every call would first scatter them from device 0.
+    seq = P(None, "seq")
+    on_all = tuple(jax.device_put(x, NamedSharding(mesh, seq)) for x in on_one)
 
     records = []
     for cu_list in layouts(T, names):
@@ -147,8 +151,9 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
         for strategy in ["none"] + list(strategies):
             if strategy == "none":
                 call = lambda *a: jaxcp.chunk_gated_delta_rule(*a, **kw)[0]
+                xs = on_one
             else:
-                seq = P(None, "seq")
+                xs = on_all
                 body = lambda *a, s=strategy: jaxcp.chunk_gated_delta_rule(
                     *a, cp_axis="seq", cp_strategy=s, **kw)[0]
                 call = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq,

@@ -1,16 +1,23 @@
-"""Error of the product-form inverse (I + A)^-1 under TF32 products, emulated on the CPU.
+"""Error of the kernels' inverse (I + A)^-1 under TF32 products, emulated on the CPU.
 
     python scripts/inverse_precision.py --chunks 200
 
-For random GDN chunks (C = 64, K = 128, L2-normalised k, beta = sigmoid, g = logsigmoid of
-normals) it builds w = (I + A)^-1 X with the kernels' product form
-(I - A)(I + A^2)...(I + A^(C/2)), every product rounded as the tensor cores would:
+For GDN chunks (C = 64, K = 128, L2-normalised k, beta = sigmoid, g = logsigmoid of normals)
+it builds w = (I + A)^-1 X in two ways, every product rounded as the tensor cores would:
+
+    block merge    the kernels' form: T_2s = T_s - T_s N_s T_s over diagonal blocks of size
+                   s = 1, 2, ..., C/2 (jaxcp.pallas.intra._unit_lower_inverse)
+    power series   (I - A)(I + A^2)...(I + A^(C/2)), the form the kernels used before; for
+                   correlated keys the powers of A grow like binomial coefficients
 
     tf32x1   both operands rounded to TF32 (10-bit mantissa), fp32 accumulation
     tf32x3   a_hi b_hi + a_hi b_lo + a_lo b_hi with a = a_hi + a_lo in TF32 (3 products)
 
 and compares with a float64 solve; the bf16 rounding of w (how the kernels store it for bf16
-inputs) is the yardstick. Prints median and max relative error over the chunks.
+inputs) is the yardstick. Keys are independent ("random") or share one direction
+("correlated", as the tokens of a trained model's repeated or padding positions do: this is
+where the power series failed, with relative errors above 1 and NaN in training). Prints
+median and max relative error over the chunks.
 """
 from __future__ import annotations
 
@@ -49,22 +56,37 @@ def dot_tf32x3(a, b):
     return (_f64_dot(a_hi, b_hi) + _f64_dot(a_hi, b_lo) + _f64_dot(a_lo, b_hi)).astype(np.float32)
 
 
-def product_form_solve(a, x, dot):
-    """(I + a)^-1 x for strictly lower a [C, C], C a power of two."""
+def block_merge_inverse(a, dot):
+    """(I + a)^-1 for strictly lower a [C, C], C a power of two, as the kernels compute it."""
+    n = a.shape[0]
+    rows, cols = np.indices((n, n))
+    inv = (np.eye(n) - np.where(rows // 2 == cols // 2, a, 0)).astype(np.float32)
+    s = 2
+    while s < n:
+        outer = (rows // (2 * s) == cols // (2 * s)) & (rows // s != cols // s)
+        inv = inv - dot(inv, dot(np.where(outer, a, 0).astype(np.float32), inv))
+        s *= 2
+    return inv
+
+
+def power_series_inverse(a, dot):
+    """(I + a)^-1 = (I - a)(I + a^2)(I + a^4)..., C a power of two."""
     inv, power, m = (np.eye(a.shape[0]) - a).astype(np.float32), a, 2
     while m < a.shape[0]:
         power = dot(power, power)
         inv = inv + dot(inv, power)
         m *= 2
-    return dot(inv, x)
+    return inv
 
 
-def random_chunk(rng, C: int, K: int):
+def random_chunk(rng, C: int, K: int, correlated: bool):
     """(A, X) of one GDN chunk: A = strict_lower(beta_i k_i.k_j e^(G_i - G_j)), X = beta e^G k."""
     k = rng.standard_normal((C, K))
+    if correlated:
+        k = k * 0.1 + rng.standard_normal(K)
     k /= np.linalg.norm(k, axis=1, keepdims=True)
     beta = 1.0 / (1.0 + np.exp(-rng.standard_normal(C)))
-    G = np.cumsum(-np.log1p(np.exp(-rng.standard_normal(C))))
+    G = np.cumsum(-np.log1p(np.exp(-rng.standard_normal(C))) / (10 if correlated else 1))
     decay = np.exp(np.tril(G[:, None] - G[None, :], -1)) * np.tri(C, k=-1)
     a = (beta[:, None] * (k @ k.T) * decay).astype(np.float32)
     x = (k * (beta * np.exp(G))[:, None]).astype(np.float32)
@@ -78,18 +100,26 @@ def main(argv=None) -> None:
     ap.add_argument("--K", type=int, default=128)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    errors = {"tf32x1": [], "tf32x3": [], "bf16 rounding of w": []}
+    forms = {"block merge": block_merge_inverse, "power series": power_series_inverse}
+    dots = {"tf32x1": dot_tf32x1, "tf32x3": dot_tf32x3}
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    for _ in range(args.chunks):
-        a, x = random_chunk(rng, args.C, args.K)
-        exact = np.linalg.solve(np.eye(args.C) + a.astype(np.float64), x.astype(np.float64))
-        errors["tf32x1"].append(rel(product_form_solve(a, x, dot_tf32x1), exact))
-        errors["tf32x3"].append(rel(product_form_solve(a, x, dot_tf32x3), exact))
-        errors["bf16 rounding of w"].append(rel(bf16(exact.astype(np.float32)), exact))
-    print(f"| w = (I + A)^-1 X, C = {args.C}, K = {args.K}, {args.chunks} chunks | median | max |")
-    print("|---|---|---|")
-    for name, e in errors.items():
-        print(f"| {name} | {np.median(e):.2e} | {np.max(e):.2e} |")
+    print(f"| w = (I + A)^-1 X, C = {args.C}, K = {args.K}, {args.chunks} chunks | keys "
+          f"| median | max |")
+    print("|---|---|---|---|")
+    with np.errstate(all="ignore"):
+        for keys in ("random", "correlated"):
+            errors = {}
+            for _ in range(args.chunks):
+                a, x = random_chunk(rng, args.C, args.K, keys == "correlated")
+                exact = np.linalg.solve(np.eye(args.C) + a.astype(np.float64), x.astype(np.float64))
+                for form, inverse in forms.items():
+                    for name, dot in dots.items():
+                        w = dot(inverse(a, dot), x)
+                        errors.setdefault(f"{form}, {name}", []).append(rel(w, exact))
+                errors.setdefault("bf16 rounding of w", []).append(
+                    rel(bf16(exact.astype(np.float32)), exact))
+            for name, e in errors.items():
+                print(f"| {name} | {keys} | {np.median(e):.2e} | {np.max(e):.2e} |")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,18 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
 
 def make_inputs(kind: str, B: int, T: int, H: int, HV: int, K: int, V: int, *, dtype=jnp.float32,
-                n_states: int | None = None, seed: int = 0):
+                n_states: int | None = None, seed: int = 0, correlated_keys: bool = False):
     """Random non-zero q, k, v, g (logsigmoid of normals: decays in (0, 1)), beta, and initial
-    states [n_states, HV, K, V] (None if n_states is None)."""
+    states [n_states, HV, K, V] (None if n_states is None). correlated_keys: the keys of a head
+    share one direction (plus 10 % noise) and the decays are 10x weaker, as for the repeated
+    tokens of real data: A = beta k k^T E is then far from small."""
     rng = np.random.default_rng(seed)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
     g = jax.nn.log_sigmoid(r(B, T, HV) if kind == "gdn" else r(B, T, HV, K) + 2.0)
+    if correlated_keys:
+        k = 0.1 * k + r(1, 1, H, K)
+        g = g / 10
     beta = jax.nn.sigmoid(r(B, T, HV))
     h0 = None if n_states is None else r(n_states, HV, K, V)
     return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)

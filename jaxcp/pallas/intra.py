@@ -6,13 +6,13 @@ Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1), same layout:
 Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
     A     = strict_lower(beta_i (k_i . k_j) E_ij)
-    T     = (I + A)^-1 = (I - A)(I + A^2)(I + A^4) ... (I + A^(C/2))    (A^C = 0)
+    T     = (I + A)^-1, merging diagonal blocks of size 1, 2, 4, ..., C/2 (_unit_lower_inverse)
     w     = T X,  X = beta exp(G) k;      u = T Y,  Y = beta v
     qg    = scale exp(G) q,   kd = exp(G_C - G) k,   decay = exp(G_C)
     attn  = lower(scale (q_i . k_j) E_ij)
 
-The inverse is log2(C) - 1 squarings and as many products, all tensor-core dots (forward
-substitution would be C dependent row updates). K and V are walked in blocks of 64 columns
+The inverse is 2 (log2(C) - 1) tensor-core dots (forward substitution would be C dependent
+row updates). K and V are walked in blocks of 64 columns
 so that no [C, K] or [C, V] tile stays live across the kernel (at K = 256 they would not fit
 in registers).
 """
@@ -59,14 +59,24 @@ def _bf16_dot(a, b):
                    preferred_element_type=jnp.float32)
 
 
-def _unit_lower_inverse(a, eye, dot):
-    """(I + a)^-1 of a strictly lower [n, n] a (n a power of two) as the product
-    (I - a)(I + a^2)(I + a^4) ... (I + a^(n/2))."""
-    inv, power, m = eye - a, a, 2
-    while m < a.shape[0]:
-        power = dot(power, power)
-        inv = inv + dot(inv, power)
-        m *= 2
+def _unit_lower_inverse(a, dot):
+    """(I + a)^-1 of a strictly lower [n, n] a (n a power of two), by merging diagonal blocks
+    of doubling size s: with T_s the inverse of the block-diagonal part (blocks of size s) and
+    N_s the part of a inside the 2s-blocks but outside the s-blocks,
+    T_2s = T_s - T_s N_s T_s  (per block, [[T11, 0], [A21, T22]]^-1 has -T22 A21 T11 below).
+    Every intermediate is a block of the true inverse, which the delta rule keeps bounded.
+    (The power series (I - a)(I + a^2)(I + a^4)... is not safe: for correlated keys the
+    entries of a^m grow like binomial coefficients, and fp32 loses the inverse in cancellation.)
+    """
+    n = a.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    inv = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(rows // 2 == cols // 2, a, 0.0)
+    s = 2
+    while s < n:
+        outer = (rows // (2 * s) == cols // (2 * s)) & (rows // s != cols // s)
+        inv = inv - dot(inv, dot(jnp.where(outer, a, 0.0), inv))
+        s *= 2
     return inv
 
 
@@ -122,10 +132,7 @@ def _gram(x_ref, y_ref, dots: _Dots, bk: int):
 def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int):
     """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij)."""
     kk = _gram(k_ref, k_ref, dots, bk)
-    C = kk.shape[0]
-    eye = jnp.where(lax.broadcasted_iota(jnp.int32, (C, C), 0)
-                    == lax.broadcasted_iota(jnp.int32, (C, C), 1), 1.0, 0.0)
-    return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), eye, dots.plain)
+    return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
 
 
 def _f32(ref):
