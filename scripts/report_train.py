@@ -4,13 +4,15 @@
 
 Each run directory holds config.json (written by train.py at the start) and, once the run has
 finished, summary.json; a run without summary.json falls back to the last record of
-metrics.jsonl ("partial"), or shows the last line of its train.log ("failed"). A directory
-without config.json (train.py stopped before writing it) gives a row of its name and status.
+metrics.jsonl ("partial"), or shows the last line of its train.log ("failed"); a run whose
+loss is not finite has "failed" too. A directory without config.json (train.py stopped
+before writing it) gives a row of its name and status.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -49,6 +51,8 @@ def load_run(run_dir: str) -> dict:
     if result is None:
         reason = _last_line(os.path.join(run_dir, "train.log")) or "no result"
         status = f"failed: {reason[:120]}"
+    elif not math.isfinite(result.get("loss", 0.0)):
+        status = f"failed: loss {result['loss']} at step {result.get('step')}"
     return dict(name=os.path.basename(os.path.normpath(run_dir)), config=config, result=result,
                 status=status)
 

@@ -78,7 +78,9 @@ def parse_args(argv=None):
                  "attn_block"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("eval_every", "ckpt_every"):
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error("--lr must be a positive number")
+    for name in ("eval_every", "ckpt_every", "warmup"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     data, seq = args.mesh
@@ -207,6 +209,12 @@ def main(argv=None) -> int:
         batch = jax.block_until_ready(shard_batch(batch_at(jax.random.fold_in(base, step)), mesh))
         t0 = time.perf_counter()
         params, opt_state, loss, _ = jax.block_until_ready(step_fn(params, opt_state, batch))
+        loss = float(loss)
+        if not math.isfinite(loss):
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(dict(step=step, loss=loss)) + "\n")
+            print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
+            return 1
         if step > start + 1:
             all_times.append(time.perf_counter() - t0)
             recent.append(all_times[-1])
@@ -215,7 +223,7 @@ def main(argv=None) -> int:
             if args.eval_every > 0:
                 _, acc = eval_fn(params, shard_batch(batch_at(eval_key), mesh))
                 eval_acc = round(float(acc), 4)
-            record = dict(step=step, loss=round(float(loss), 5), eval_accuracy=eval_acc,
+            record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
                           **speed(recent, tokens_per_step, len(devices)),
                           peak_mem_gib=peak_memory_gib(devices),
                           elapsed_s=round(time.perf_counter() - t_start, 1))

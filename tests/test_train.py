@@ -1,5 +1,8 @@
 """The training step: CP == no CP on (2, 2) and (1, 4) meshes, float32 and bfloat16 compute;
 MQAR data; the train script."""
+import subprocess
+import sys
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -68,8 +71,6 @@ TINY = ["--seq-len", "32", "--batch", "4", "--hidden", "32", "--heads", "2", "--
 
 
 def run_train(*args):
-    import subprocess
-    import sys
     out = subprocess.run([sys.executable, "scripts/train.py", *TINY, *args], capture_output=True,
                          text=True, timeout=600)
     return out
@@ -98,9 +99,23 @@ def test_train_script_resume_continues_the_trajectory(tmp_path):
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_train_script_stops_on_a_non_finite_loss(tmp_path):
+    """A diverging run (lr 1e30 from the second step) exits 1 at the first NaN loss."""
+    out = run_train("--lr", "1e30", "--warmup", "1", "--steps", "6", "--ckpt-every", "0",
+                    "--run-dir", str(tmp_path))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == "error: the loss is nan at step 3"
+    report = tmp_path / "train.md"
+    subprocess.run([sys.executable, "scripts/report_train.py", str(tmp_path), "--out", str(report)],
+                   check=True, capture_output=True)
+    assert "failed: loss nan at step 3" in report.read_text()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--mesh", "data=1,pipe=2"], "--mesh"),
     (["--steps", "0"], "--steps"),
+    (["--lr", "nan"], "--lr"),
+    (["--warmup", "-1"], "--warmup"),
     (["--eval-every", "-1"], "--eval-every"),
     (["--backend", "triton"], "--backend"),
     (["--data", "/nonexistent/file.txt"], "--data"),
