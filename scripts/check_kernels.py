@@ -6,7 +6,9 @@ For each op, layout, T and K = V = D (bf16 inputs by default, q/k L2-normalised,
 states): relative error of o, the final state and every gradient against the reference.
 Layouts: "varlen" packs sequences (cu_seqlens, B = 1); "batch" is B = 2 rows of one sequence
 each, without cu_seqlens (when T is a multiple of 64 the GDN kernels then read the tokens in
-place). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
+place). Keys: "random" (independent normals) or "correlated" (the keys of a head share one
+direction plus 10 % noise, with 10x weaker decay, as for the repeated tokens of real data,
+where (I + A)^-1 is far from I). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import numpy as np
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype) -> list[float]:
+def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
+          keys: str = "random") -> list[float]:
     """Relative errors (NAMES) of the op against the float32 reference on one random problem."""
     import jax
     import jax.numpy as jnp
@@ -34,6 +37,9 @@ def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype) -
     q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D)
     g = jax.nn.log_sigmoid(r(B, T, H) if kind == "gdn" else r(B, T, H, D) + 2.0)
     beta = jax.nn.sigmoid(r(B, T, H))
+    if keys == "correlated":
+        k = 0.1 * k + r(1, 1, H, D)
+        g = g / 10
     cu = None
     if layout == "varlen":
         cuts = sorted({1, T // 3, T // 3 + 1, T // 2, (3 * T) // 4})
@@ -69,10 +75,13 @@ def main(argv=None) -> int:
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layouts", default="varlen,batch")
+    ap.add_argument("--keys", default="random,correlated")
     args = ap.parse_args(argv)
-    layouts = args.layouts.split(",")
+    layouts, key_kinds = args.layouts.split(","), args.keys.split(",")
     if not set(layouts) <= {"varlen", "batch"}:
         ap.error("--layouts: comma list of varlen, batch")
+    if not set(key_kinds) <= {"random", "correlated"}:
+        ap.error("--keys: comma list of random, correlated")
 
     import jax
     import jax.numpy as jnp
@@ -81,23 +90,23 @@ def main(argv=None) -> int:
     lim_o, lim = (5e-3, 1e-2) if args.dtype == "bfloat16" else (1e-4, 1e-4)
     rows, ok = [], True
     for kind in args.ops.split(","):
-        for lay in layouts:
+        for lay, keys in ((lay, keys) for lay in layouts for keys in key_kinds):
             for T in args.T:
                 for D in args.D:
-                    errs = check(kind, args.backend, lay, T, D, args.H, dtype)
+                    errs = check(kind, args.backend, lay, T, D, args.H, dtype, keys)
                     good = errs[0] < lim_o and all(e < lim for e in errs[1:])
                     ok &= good
-                    rows.append((kind, lay, T, D, errs, good))
-                    print(f"{kind} {lay} T={T} D={D}: " + " ".join(
+                    rows.append((kind, lay, keys, T, D, errs, good))
+                    print(f"{kind} {lay} {keys} T={T} D={D}: " + " ".join(
                         f"{n}={e:.1e}" for n, e in zip(NAMES, errs))
                         + (" ok" if good else " FAIL"), flush=True)
 
     print(f"backend={args.backend} dtype={args.dtype} H={args.H} device={jax.devices()[0].device_kind}"
           f" jax={jax.__version__}")
-    print(f"{'op':4} {'layout':6} {'T':>6} {'D':>4} " + " ".join(f"{n:>8}" for n in NAMES)
-          + "  result")
-    for kind, lay, T, D, errs, good in rows:
-        print(f"{kind:4} {lay:6} {T:>6} {D:>4} " + " ".join(f"{e:8.1e}" for e in errs)
+    print(f"{'op':4} {'layout':6} {'keys':10} {'T':>6} {'D':>4} "
+          + " ".join(f"{n:>8}" for n in NAMES) + "  result")
+    for kind, lay, keys, T, D, errs, good in rows:
+        print(f"{kind:4} {lay:6} {keys:10} {T:>6} {D:>4} " + " ".join(f"{e:8.1e}" for e in errs)
               + ("  ok" if good else "  FAIL"))
     print(f"limits: o < {lim_o:.0e}, others < {lim:.0e}: {'all ok' if ok else 'FAILURES'}")
     return 0 if ok else 1
