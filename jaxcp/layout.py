@@ -116,15 +116,44 @@ def build_layout(batch: int, t_local: int, chunk_size: int, cu_seqlens: jax.Arra
     return layout, token_map
 
 
+def _slots_from_tokens(x: jax.Array, token_map: TokenMap) -> jax.Array:
+    """[B, T_local, ...] -> [B, NT * C, ...]: each slot's token, zero in padding slots."""
+    src = token_map.slot_token
+    valid = (src >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
+    return jnp.where(valid, jnp.take(x, jnp.maximum(src, 0), axis=1), jnp.zeros((), x.dtype))
+
+
+def _tokens_from_slots(y: jax.Array, token_map: TokenMap) -> jax.Array:
+    """[B, NT * C, ...] -> [B, T_local, ...]: each token's slot."""
+    return jnp.take(y, token_map.token_slot, axis=1)
+
+
+# The two gathers are each other's transpose (tokens and real slots are in bijection, padding
+# slots get zero cotangents). Autodiff would transpose a gather into a scatter-add, which on
+# GPUs runs as atomics; these VJPs keep both directions gathers.
+@jax.custom_vjp
+def _gather_to_slots(x, token_map):
+    return _slots_from_tokens(x, token_map)
+
+
+@jax.custom_vjp
+def _gather_to_tokens(y, token_map):
+    return _tokens_from_slots(y, token_map)
+
+
+_gather_to_slots.defvjp(lambda x, tm: (_slots_from_tokens(x, tm), tm),
+                        lambda tm, dy: (_gather_to_tokens(dy, tm), None))
+_gather_to_tokens.defvjp(lambda y, tm: (_tokens_from_slots(y, tm), tm),
+                         lambda tm, dx: (_gather_to_slots(dx, tm), None))
+
+
 def to_chunks(x: jax.Array, token_map: TokenMap | None, n_chunks: int, chunk_size: int) -> jax.Array:
     """[B, T_local, HV, *tail] -> [NT, B, HV, C, *tail], padding slots zero."""
     B, T = x.shape[:2]
     if token_map is None:
         x = jnp.pad(x, [(0, 0), (0, n_chunks * chunk_size - T)] + [(0, 0)] * (x.ndim - 2))
     else:
-        src = token_map.slot_token
-        valid = (src >= 0).reshape((1, -1) + (1,) * (x.ndim - 2))
-        x = jnp.where(valid, jnp.take(x, jnp.maximum(src, 0), axis=1), 0)
+        x = _gather_to_slots(x, token_map)
     x = x.reshape(B, n_chunks, chunk_size, *x.shape[2:])
     return jnp.moveaxis(x, (1, 3), (0, 2))
 
@@ -136,4 +165,4 @@ def from_chunks(y: jax.Array, token_map: TokenMap | None, t_local: int) -> jax.A
     y = y.reshape(B, NT * C, *y.shape[3:])
     if token_map is None:
         return y[:, :t_local]
-    return jnp.take(y, token_map.token_slot, axis=1)
+    return _gather_to_tokens(y, token_map)

@@ -15,3 +15,32 @@ def test_per_chunk_fields_are_chunks_by_batch(cu):
     NT = num_chunks(100, 16, n_seqs)
     for name in ("chunk_seq", "chunk_starts", "chunk_ends"):
         assert getattr(layout, name).shape == (NT, B), name
+
+
+def test_chunk_gathers_transpose_to_gathers():
+    """to_chunks / from_chunks with packed sequences: their VJPs (gathers, not the scatter-adds
+    autodiff would build) equal the transposes of the plain gathers."""
+    import jax
+    import numpy as np
+
+    from jaxcp.layout import _slots_from_tokens, _tokens_from_slots, from_chunks, to_chunks
+
+    cu = jnp.asarray([0, 1, 20, 37, 70], jnp.int32)
+    _, tm = build_layout(1, 70, 16, cu, 0, 70)
+    NT = num_chunks(70, 16, 4)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 70, 2, 3)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((NT, 1, 2, 16, 3)), jnp.float32)
+    ct_y, ct_x = jnp.asarray(rng.standard_normal(y.shape)), jnp.asarray(rng.standard_normal(x.shape))
+
+    got = jax.vjp(lambda a: to_chunks(a, tm, NT, 16), x)[1](ct_y)[0]
+    plain = lambda a: jnp.moveaxis(_slots_from_tokens(a, tm).reshape(1, NT, 16, 2, 3), (1, 3), (0, 2))
+    want = jax.vjp(plain, x)[1](ct_y)[0]
+    np.testing.assert_array_equal(got, want)
+
+    got = jax.vjp(lambda b: from_chunks(b, tm, 70), y)[1](ct_x)[0]
+    plain = lambda b: _tokens_from_slots(jnp.moveaxis(b, (0, 2), (1, 3)).reshape(1, NT * 16, 2, 3), tm)
+    want = jax.vjp(plain, y)[1](ct_x)[0]
+    np.testing.assert_array_equal(got, want)
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(
+        lambda a: jnp.sum(from_chunks(to_chunks(a, tm, NT, 16), tm, 70) ** 2)))(x))
