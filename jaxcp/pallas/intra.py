@@ -12,9 +12,8 @@ Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
     attn  = lower(scale (q_i . k_j) E_ij)
 
 The inverse is 2 (log2(C) - 1) tensor-core dots (forward substitution would be C dependent
-row updates). K and V are walked in blocks of 64 columns
-so that no [C, K] or [C, V] tile stays live across the kernel (at K = 256 they would not fit
-in registers).
+row updates). K and V are walked in blocks of 64 columns so that no [C, K] or [C, V] tile
+stays live across the kernel (at K = 256 they would not fit in registers).
 """
 from __future__ import annotations
 
@@ -63,18 +62,19 @@ def _unit_lower_inverse(a, dot):
     """(I + a)^-1 of a strictly lower [n, n] a (n a power of two), by merging diagonal blocks
     of doubling size s: with T_s the inverse of the block-diagonal part (blocks of size s) and
     N_s the part of a inside the 2s-blocks but outside the s-blocks,
-    T_2s = T_s - T_s N_s T_s  (per block, [[T11, 0], [A21, T22]]^-1 has -T22 A21 T11 below).
+    T_2s = T_s - T_s N_s T_s, per 2s-block the identity
+    [[L11, 0], [A21, L22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]] with Tii = Lii^-1.
     Every intermediate is a block of the true inverse, which the delta rule keeps bounded.
     (The power series (I - a)(I + a^2)(I + a^4)... is not safe: for correlated keys the
     entries of a^m grow like binomial coefficients, and fp32 loses the inverse in cancellation.)
     """
     n = a.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    inv = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(rows // 2 == cols // 2, a, 0.0)
+    # i ^ j < 2s: i and j lie in the same aligned block of size 2s (s a power of two)
+    x = lax.broadcasted_iota(jnp.int32, (n, n), 0) ^ lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    inv = jnp.where(x == 0, 1.0, 0.0) - jnp.where(x < 2, a, 0.0)
     s = 2
     while s < n:
-        outer = (rows // (2 * s) == cols // (2 * s)) & (rows // s != cols // s)
+        outer = (x >= s) & (x < 2 * s)
         inv = inv - dot(inv, dot(jnp.where(outer, a, 0.0), inv))
         s *= 2
     return inv
