@@ -83,10 +83,15 @@ def test_pallas_interpret_single_sequence_cu_seqlens(dtype):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_pallas_interpret_correlated_keys(kind):
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_pallas_interpret_correlated_keys(kind, neg_eigval):
     """Keys sharing a direction with weak decay (real data: repeated and padding tokens), where
-    the intra-chunk inverse is ill-suited to power series: output and gradients stay exact."""
+    the intra-chunk inverse is ill-suited to power series: output and gradients stay exact.
+    neg_eigval: beta in (0, 2), many near 2 (allow_neg_eigval layers)."""
     args = make_inputs(kind, 1, 128, 2, 2, 32, 64, n_states=1, correlated_keys=True)
+    if neg_eigval:
+        beta = 2 * jax.nn.sigmoid(4 * jax.random.normal(jax.random.key(0), args[4].shape))
+        args = args[:4] + (beta,) + args[5:]
     check_against_reference(kind, args, jnp.float32, use_qk_l2norm_in_kernel=True,
                             backend="interpret")
 
