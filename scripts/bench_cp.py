@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-from jax_timing import median_ms
+from jax_timing import compile_side_by_side, median_ms
 from report_notes import notes_beside
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
@@ -148,6 +148,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     for cu_list in layouts(T, names):
         cu = jnp.asarray(cu_list, jnp.int32)
         kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend=backend)
+        jobs = []     # (strategy, pass, jitted function, its inputs)
         for strategy in ["none"] + list(strategies):
             if strategy == "none":
                 call = lambda *a: jaxcp.chunk_gated_delta_rule(*a, **kw)[0]
@@ -159,15 +160,21 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
                 call = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq,
                                      check_vma=backend != "interpret")
             loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32))
-            for passes, fn in (("fwd", jax.jit(call)),
-                               ("fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))):
-                ms = median_ms(fn, *xs, iters=iters)
-                records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
-                                    T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
-                                    **{"pass": passes}, ms=ms, device=devices[0].device_kind,
-                                    impl=f"jaxcp-{backend}"))
-                print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} {ms:9.3f} ms", flush=True)
-                done(records)
+            jobs += [(strategy, "fwd", jax.jit(call), xs),
+                     (strategy, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), xs)]
+        compiled = compile_side_by_side([(fn, xs) for _, _, fn, xs in jobs])
+        for (strategy, passes, _, xs), fn in zip(jobs, compiled):
+            if isinstance(fn, Exception):
+                print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} failed: "
+                      f"{type(fn).__name__}: {str(fn)[:300]}", flush=True)
+                continue
+            ms = median_ms(fn, *xs, iters=iters)
+            records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
+                                T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
+                                **{"pass": passes}, ms=ms, device=devices[0].device_kind,
+                                impl=f"jaxcp-{backend}"))
+            print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} {ms:9.3f} ms", flush=True)
+            done(records)
     return records
 
 

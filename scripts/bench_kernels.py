@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from jax_timing import median_ms
+from jax_timing import compile_side_by_side, median_ms
 from report_notes import notes_beside
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
@@ -88,24 +88,30 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None) -
         g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32))
         beta = jax.nn.sigmoid(r(1, T, H))
         do = r(1, T, H, D)
+        jobs = []     # (impl, pass, jitted function)
         for impl in impls:
             backend = impl.removeprefix("jaxcp-")
-            call = lambda q, k, v, g, beta: jaxcp.chunk_gated_delta_rule(
+            call = lambda q, k, v, g, beta, backend=backend: jaxcp.chunk_gated_delta_rule(
                 q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)[0]
-            loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) * do.astype(jnp.float32))
-            fns = {"fwd": jax.jit(call),
-                   "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))}
-            for passes, fn in fns.items():
-                try:
-                    ms = median_ms(fn, q, k, v, g, beta, iters=iters)
-                except Exception as e:   # an impl that cannot run this shape is reported, not fatal
-                    print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(e).__name__}: "
-                          f"{str(e)[:300]}", flush=True)
-                    continue
-                out.append(dict(op="gdn", impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
-                                ms=ms, device=device, jax=jax.__version__, fla=fla_version))
-                print(f"{impl} T={T} H={H} D={D} {passes}: {ms:.3f} ms", flush=True)
-                done(out)
+            loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32)
+                                                 * do.astype(jnp.float32))
+            jobs += [(impl, "fwd", jax.jit(call)),
+                     (impl, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))]
+        xs = (q, k, v, g, beta)
+        compiled = compile_side_by_side([(fn, xs) for _, _, fn in jobs])
+        for (impl, passes, _), fn in zip(jobs, compiled):
+            try:
+                if isinstance(fn, Exception):
+                    raise fn
+                ms = median_ms(fn, *xs, iters=iters)
+            except Exception as e:   # an impl that cannot run this shape is reported, not fatal
+                print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+                continue
+            out.append(dict(op="gdn", impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
+                            ms=ms, device=device, jax=jax.__version__, fla=fla_version))
+            print(f"{impl} T={T} H={H} D={D} {passes}: {ms:.3f} ms", flush=True)
+            done(out)
     return out
 
 

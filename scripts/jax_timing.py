@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import numpy as np
 
 
 def median_ms(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of fn(*args) over `iters` calls (each waited for), after the first
-    call (compilation) and `warmup` more."""
+    call (compilation, unless fn is compiled already) and `warmup` more."""
     import jax
 
     for _ in range(1 + warmup):
@@ -20,3 +21,18 @@ def median_ms(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return 1e3 * float(np.median(times))
+
+
+def compile_side_by_side(jobs: Sequence[tuple[Callable, tuple]]) -> list:
+    """Lower and compile jitted functions for their arguments in threads (XLA and Triton
+    compile without holding the GIL). Returns, per job, the executable or the exception its
+    compilation raised."""
+    def build(job):
+        fn, args = job
+        try:
+            return fn.lower(*args).compile()
+        except Exception as e:   # the caller reports it for that job and goes on
+            return e
+
+    with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        return list(pool.map(build, jobs))
