@@ -124,7 +124,7 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
 
 
 def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
-              done=lambda records: None, names=LAYOUTS) -> list[dict]:
+              done=lambda records: None, names=LAYOUTS, compile_threads: int = 8) -> list[dict]:
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -162,13 +162,16 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
             loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32))
             jobs += [(strategy, "fwd", jax.jit(call), xs),
                      (strategy, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), xs)]
-        compiled = compile_side_by_side([(fn, xs) for _, _, fn, xs in jobs])
+        compiled = compile_side_by_side([(fn, xs) for _, _, fn, xs in jobs], compile_threads)
         for (strategy, passes, _, xs), fn in zip(jobs, compiled):
-            if isinstance(fn, Exception):
+            try:
+                if isinstance(fn, Exception):
+                    raise fn
+                ms = median_ms(fn, *xs, iters=iters)
+            except Exception as e:   # reported, not fatal: the other rows still run
                 print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} failed: "
-                      f"{type(fn).__name__}: {str(fn)[:300]}", flush=True)
+                      f"{type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            ms = median_ms(fn, *xs, iters=iters)
             records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
                                 T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
                                 **{"pass": passes}, ms=ms, device=devices[0].device_kind,
@@ -229,8 +232,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS),
                     help="comma list of single (one sequence), packed (10 sequences)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--compile-threads", type=int, default=8,
+                    help="programs compiled at once (1: one at a time)")
     ap.add_argument("--fla-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.compile_threads < 1:
+        ap.error("--compile-threads must be positive")
     names = tuple(args.layouts.split(","))
     if not set(names) <= set(LAYOUTS):
         ap.error("--layouts: comma list of " + ", ".join(LAYOUTS))
@@ -269,7 +276,8 @@ def main(argv=None) -> int:
 
     save()
     records += run_jaxcp(args.T, args.H, args.D, W or len(jax.devices()), args.iters,
-                         args.strategies.split(","), args.backend, save, names)
+                         args.strategies.split(","), args.backend, save, names,
+                         args.compile_threads)
     save()
     return 0
 

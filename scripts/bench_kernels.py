@@ -73,7 +73,8 @@ def run_fla(configs, iters: int) -> list[dict]:
     return out
 
 
-def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None) -> list[dict]:
+def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
+              compile_threads: int = 8) -> list[dict]:
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -98,7 +99,7 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None) -
             jobs += [(impl, "fwd", jax.jit(call)),
                      (impl, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))]
         xs = (q, k, v, g, beta)
-        compiled = compile_side_by_side([(fn, xs) for _, _, fn in jobs])
+        compiled = compile_side_by_side([(fn, xs) for _, _, fn in jobs], compile_threads)
         for (impl, passes, _), fn in zip(jobs, compiled):
             try:
                 if isinstance(fn, Exception):
@@ -171,9 +172,13 @@ def main(argv=None) -> int:
     ap.add_argument("--report", help="write .md and .png from these records and exit")
     ap.add_argument("--impls", default="jaxcp-pallas,jaxcp-xla,fla")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compile-threads", type=int, default=8,
+                    help="programs compiled at once (1: one at a time)")
     ap.add_argument("--configs", default=None, help="T:H:D,... (default: the three of the spec)")
     ap.add_argument("--fla-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.compile_threads < 1:
+        ap.error("--compile-threads must be positive")
     if args.report:
         report(args.report)
         return 0
@@ -204,7 +209,8 @@ def main(argv=None) -> int:
             json.dump(records + list(jaxcp_records), open(args.json, "w"), indent=1)
 
     save()
-    records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version, save)
+    records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version, save,
+                         args.compile_threads)
     save()
     print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
     for r in records:

@@ -5,8 +5,8 @@
 For GDN chunks (C = 64, K = 128, L2-normalised k, beta = sigmoid, g = logsigmoid of normals)
 it builds w = (I + A)^-1 X in two ways, every product rounded as the tensor cores would:
 
-    block merge    the kernels' form: T_2s = T_s - T_s N_s T_s over diagonal blocks of size
-                   s = 1, 2, ..., C/2 (jaxcp.pallas.intra._unit_lower_inverse)
+    block merge    the kernels' function (jaxcp.pallas.intra._unit_lower_inverse):
+                   T_2s = T_s - T_s N_s T_s over diagonal blocks of size s = 1, 2, ..., C/2
     power series   (I - A)(I + A^2)...(I + A^(C/2)), the form the kernels used before; for
                    correlated keys the powers of A grow like binomial coefficients
 
@@ -57,16 +57,14 @@ def dot_tf32x3(a, b):
 
 
 def block_merge_inverse(a, dot):
-    """(I + a)^-1 for strictly lower a [C, C], C a power of two, as the kernels compute it."""
-    n = a.shape[0]
-    rows, cols = np.indices((n, n))
-    inv = (np.eye(n) - np.where(rows // 2 == cols // 2, a, 0)).astype(np.float32)
-    s = 2
-    while s < n:
-        outer = (rows // (2 * s) == cols // (2 * s)) & (rows // s != cols // s)
-        inv = inv - dot(inv, dot(np.where(outer, a, 0).astype(np.float32), inv))
-        s *= 2
-    return inv
+    """(I + a)^-1 for strictly lower a [C, C], C a power of two: the kernels' own function
+    (``jaxcp.pallas.intra._unit_lower_inverse``) with the emulated products."""
+    import jax.numpy as jnp
+    from jaxcp.pallas.intra import _unit_lower_inverse
+
+    f32 = lambda x: np.asarray(x, np.float32)
+    return f32(_unit_lower_inverse(jnp.asarray(a, jnp.float32),
+                                   lambda x, y: jnp.asarray(dot(f32(x), f32(y)))))
 
 
 def power_series_inverse(a, dot):

@@ -23,10 +23,12 @@ def median_ms(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:
     return 1e3 * float(np.median(times))
 
 
-def compile_side_by_side(jobs: Sequence[tuple[Callable, tuple]]) -> list:
-    """Lower and compile jitted functions for their arguments in threads (XLA and Triton
-    compile without holding the GIL). Returns, per job, the executable or the exception its
-    compilation raised."""
+def compile_side_by_side(jobs: Sequence[tuple[Callable, tuple]], threads: int = 8) -> list:
+    """Lower and compile jitted functions for their arguments, `threads` at a time (tracing
+    and lowering hold the GIL; XLA's compilation, Triton's included, releases it). XLA's
+    autotuner times candidate kernels on the GPU while it compiles, so compiles that overlap
+    may pick from noisier timings; threads=1 compiles one at a time. Returns, per job, the
+    executable or the exception its compilation raised."""
     def build(job):
         fn, args = job
         try:
@@ -34,5 +36,5 @@ def compile_side_by_side(jobs: Sequence[tuple[Callable, tuple]]) -> list:
         except Exception as e:   # the caller reports it for that job and goes on
             return e
 
-    with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+    with ThreadPoolExecutor(max(1, min(threads, len(jobs)))) as pool:
         return list(pool.map(build, jobs))

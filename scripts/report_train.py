@@ -38,7 +38,8 @@ def _last_line(path: str) -> str | None:
 
 def load_run(run_dir: str) -> dict:
     """config (None if absent), result (summary.json or the last metrics.jsonl record, None if
-    neither) and status ("ok", "partial" or "failed: <last log line>")."""
+    neither) and status ("ok", "partial", "failed: <last log line>" or "failed: loss <loss>
+    at step <step>")."""
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir}: not a directory")
     config = _read_json(os.path.join(run_dir, "config.json"))

@@ -194,6 +194,9 @@ def main(argv=None) -> int:
         params = replicate(state["params"], mesh)
         opt_state = replicate(state["opt_state"], mesh)
         start = last
+        if start >= args.steps:
+            ap.error(f"--resume: the checkpoint is at step {start}, --steps {args.steps} "
+                     "leaves nothing to do")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not args.resume and os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -212,7 +215,9 @@ def main(argv=None) -> int:
         loss = float(loss)
         if not math.isfinite(loss):
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(dict(step=step, loss=loss)) + "\n")
+                f.write(json.dumps(dict(step=step, loss=loss, eval_accuracy=None)) + "\n")
+            if ckpt is not None:
+                ckpt.wait_until_finished()
             print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
             return 1
         if step > start + 1:

@@ -85,9 +85,10 @@ def test_pallas_interpret_single_sequence_cu_seqlens(dtype):
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("neg_eigval", [False, True])
 def test_pallas_interpret_correlated_keys(kind, neg_eigval):
-    """Keys sharing a direction with weak decay (real data: repeated and padding tokens), where
-    the intra-chunk inverse is ill-suited to power series: output and gradients stay exact.
-    neg_eigval: beta in (0, 2), many near 2 (allow_neg_eigval layers)."""
+    """Keys sharing a direction with weak decay (real data: repeated and padding tokens):
+    output and gradients stay exact. GDN runs the Pallas intra kernel, whose inverse of
+    (I + A) a power series could not hold here; KDA its jnp intra terms through the Pallas
+    state kernels. neg_eigval: beta in (0, 2), many near 2 (allow_neg_eigval layers)."""
     args = make_inputs(kind, 1, 128, 2, 2, 32, 64, n_states=1, correlated_keys=True)
     if neg_eigval:
         beta = 2 * jax.nn.sigmoid(4 * jax.random.normal(jax.random.key(0), args[4].shape))

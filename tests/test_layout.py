@@ -31,15 +31,18 @@ def test_chunk_gathers_transpose_to_gathers():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 70, 2, 3)), jnp.float32)
     y = jnp.asarray(rng.standard_normal((NT, 1, 2, 16, 3)), jnp.float32)
-    ct_y, ct_x = jnp.asarray(rng.standard_normal(y.shape)), jnp.asarray(rng.standard_normal(x.shape))
+    ct_y = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
+    ct_x = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
 
     got = jax.vjp(lambda a: to_chunks(a, tm, NT, 16), x)[1](ct_y)[0]
-    plain = lambda a: jnp.moveaxis(_slots_from_tokens(a, tm).reshape(1, NT, 16, 2, 3), (1, 3), (0, 2))
+    plain = lambda a: jnp.moveaxis(_slots_from_tokens(a, tm).reshape(1, NT, 16, 2, 3),
+                                   (1, 3), (0, 2))
     want = jax.vjp(plain, x)[1](ct_y)[0]
     np.testing.assert_array_equal(got, want)
 
     got = jax.vjp(lambda b: from_chunks(b, tm, 70), y)[1](ct_x)[0]
-    plain = lambda b: _tokens_from_slots(jnp.moveaxis(b, (0, 2), (1, 3)).reshape(1, NT * 16, 2, 3), tm)
+    plain = lambda b: _tokens_from_slots(
+        jnp.moveaxis(b, (0, 2), (1, 3)).reshape(1, NT * 16, 2, 3), tm)
     want = jax.vjp(plain, y)[1](ct_x)[0]
     np.testing.assert_array_equal(got, want)
     assert "scatter" not in str(jax.make_jaxpr(jax.grad(

@@ -97,6 +97,9 @@ def test_train_script_resume_continues_the_trajectory(tmp_path):
     assert config["command"].endswith(f"--steps 6 --run-dir {tmp_path / 'a'}")
     assert (tmp_path / "b" / "curves.png").exists()
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
+    again = run_train("--steps", "6", "--run-dir", str(tmp_path / "b"), "--resume")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "nothing to do" in again.stderr.strip().splitlines()[-1]
 
 
 def test_train_script_stops_on_a_non_finite_loss(tmp_path):
