@@ -123,9 +123,11 @@ def test_intra_chunk_gdn(C, tm, correlated):
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("C, V, tm", [(16, 16, False), (64, 128, False), (16, 16, True)])
-def test_chunk_grads_gdn(C, V, tm):
-    q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, 32, V)
+@pytest.mark.parametrize("C, K, V, tm", [(16, 32, 16, False), (64, 128, 128, False),
+                                         (16, 32, 16, True)])
+def test_chunk_grads_gdn(C, K, V, tm):
+    """K, V = 128: the kernel's loops over blocks of 64 key and value columns."""
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, K, V)
     layout, tmap = build_layout(1, 70, C, None, 0, 70)
     NT = num_chunks(70, C, None)
     ch = lambda x: to_chunks(x, tmap, NT, C)
@@ -133,7 +135,7 @@ def test_chunk_grads_gdn(C, V, tm):
     rng = np.random.default_rng(5)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     # h, X [NT, B, HV, K, V]; v_new, dvn, do [NT, B, HV, C, V]
-    rest = (r(NT, 1, 2, 32, V), r(NT, 1, 2, C, V), r(NT, 1, 2, 32, V), r(NT, 1, 2, C, V),
+    rest = (r(NT, 1, 2, K, V), r(NT, 1, 2, C, V), r(NT, 1, 2, K, V), r(NT, 1, 2, C, V),
             r(NT, 1, 2, C, V))
     terms = xla.intra_chunk(*args, 0.25, with_inverse=True)
     want = xla.chunk_grads(*args, 0.25, terms, *rest)
