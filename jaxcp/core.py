@@ -32,7 +32,8 @@ from jaxcp.xla import ChunkTerms
 class CoreConfig:
     """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all wraps
     the op without CP, see ``cp.all_to_all``). token_major: q, k, v, g, beta (and o) are
-    [B, NT, C, HV, ...] instead of chunk layout (see ``stages``)."""
+    [B, NT, C, HV, ...] instead of chunk layout (see ``stages``). normalize_qk: q, k are
+    raw and the stages L2-normalise them (Pallas GDN only)."""
     scale: float
     output_final_state: bool
     cp_axis: str | None = None
@@ -40,10 +41,11 @@ class CoreConfig:
     backend: str = "xla"
     dot_dtype: str = "float32"
     token_major: bool = False
+    normalize_qk: bool = False
 
     @property
     def stages(self) -> Stages:
-        return stages_for(self.backend, self.dot_dtype, self.token_major)
+        return stages_for(self.backend, self.dot_dtype, self.token_major, self.normalize_qk)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:

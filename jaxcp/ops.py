@@ -43,8 +43,10 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     gdn_kernels = backend != "xla" and kind == "gdn"
     # GDN's Pallas kernels read bf16 q, k, v as they are (half the bytes of the chunk layout)
     io = jnp.bfloat16 if gdn_kernels and dot_dtype == "bfloat16" else jnp.float32
+    # GDN's Pallas kernels normalise q, k themselves (no pass over them through memory)
+    normalize_in_kernels = use_qk_l2norm_in_kernel and gdn_kernels
     q, k = f32(q), f32(k)
-    if use_qk_l2norm_in_kernel:
+    if use_qk_l2norm_in_kernel and not normalize_in_kernels:
         q, k = l2_normalize(q), l2_normalize(k)
     q, k = (jnp.repeat(x.astype(io), HV // H, axis=2) for x in (q, k))
     g = f32(g) if kind == "kda" else f32(g)[..., None]
@@ -64,7 +66,7 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, backend=backend, dot_dtype=dot_dtype,
-                     token_major=token_major)
+                     token_major=token_major, normalize_qk=normalize_in_kernels)
     o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(io)), chunk(g),
                                 chunk(f32(beta)), init, layout)
     if final is not None and cp_axis is not None:

@@ -31,11 +31,16 @@ class Stages(NamedTuple):
 
 
 @lru_cache(maxsize=None)
-def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = False) -> Stages:
+def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = False,
+               normalize_qk: bool = False) -> Stages:
     """dot_dtype: the operand dtype of the kernels' matrix products ("bfloat16" for bf16
-    inputs, as FLA does; accumulation and the state stay float32)."""
+    inputs, as FLA does; accumulation and the state stay float32). normalize_qk (GDN,
+    Pallas only): ``intra`` and ``chunk_grads`` take raw q, k and L2-normalise them inside
+    the kernels; the cotangents are those of the raw q, k."""
     if token_major and backend == "xla":
         raise ValueError("token_major: only the Pallas GDN stages read token-major tensors")
+    if normalize_qk and backend == "xla":
+        raise ValueError("normalize_qk: only the Pallas GDN stages normalise q, k themselves")
     if backend == "xla":
         # the jnp chunk_grads recomputes the terms in its vjp and never reads the inverse
         intra = lambda q, k, v, g, beta, scale, with_inverse=False: xla.intra_chunk(
@@ -52,22 +57,23 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
     def per_channel_gate(g):
         if g.shape[-1] == 1:
             return False
-        if token_major:
-            raise ValueError("token_major: KDA's jnp stages read chunk layout only")
+        if token_major or normalize_qk:
+            raise ValueError("token_major, normalize_qk: not for KDA's jnp stages")
         return True
 
     def intra(q, k, v, g, beta, scale, with_inverse=False):
         if not per_channel_gate(g):
             return pallas_intra.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
                                             token_major=token_major, interpret=interpret,
-                                            precise=precise, out_dtype=jnp.dtype(dot_dtype))
+                                            precise=precise, out_dtype=jnp.dtype(dot_dtype),
+                                            normalize_qk=normalize_qk)
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
     def chunk_grads(q, k, v, g, beta, scale, *rest):
         if not per_channel_gate(g):
             return pallas_grads.chunk_grads(q, k, v, g, beta, scale, *rest,
                                             token_major=token_major, interpret=interpret,
-                                            precise=precise)
+                                            precise=precise, normalize_qk=normalize_qk)
         return xla.chunk_grads(q, k, v, g, beta, scale, *rest)
 
     kw = dict(interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))

@@ -1,9 +1,11 @@
 """Each Pallas stage (interpret mode on the CPU) against its XLA twin."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxcp import xla
+from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
 from jaxcp.pallas import intra as pintra
@@ -146,6 +148,43 @@ def test_chunk_grads_gdn(C, K, V, tm):
     else:
         got = pgrads.chunk_grads(*args, 0.25, terms, *rest, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("tm", [False, True])
+def test_normalize_qk_in_kernels(tm):
+    """normalize_qk: raw q, k in; the terms of their L2-normalised rows, and the cotangents of
+    the raw q, k (the normalisation's vjp), equal to l2_normalize outside the XLA twins.
+    K = 128: the row norms span two blocks of key columns."""
+    C, K, V = 64, 128, 64
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 128, 2, 2, K, V)
+    q, k = 3 * q, k / 2          # rows far from unit norm
+    layout, tmap = build_layout(1, 128, C, None, 0, 128)
+    NT = num_chunks(128, C, None)
+    ch = lambda x: to_chunks(x, tmap, NT, C)
+    args = (ch(q), ch(k), ch(v), ch(g[..., None]), ch(beta))
+    unit = lambda q, k: (l2_normalize(q), l2_normalize(k))
+    want = xla.intra_chunk(*unit(*args[:2]), *args[2:], 0.25, with_inverse=True)
+    run_args = tuple(map(token_major, args)) if tm else args
+    got = pintra.intra_chunk(*run_args, 0.25, with_inverse=True, token_major=tm, interpret=True,
+                             normalize_qk=True)
+    for name, a, b in zip(want._fields, got, want):
+        assert_rel(a, b, 1e-5, name)
+
+    rng = np.random.default_rng(6)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    rest = (r(NT, 1, 2, K, V), r(NT, 1, 2, C, V), r(NT, 1, 2, K, V), r(NT, 1, 2, C, V),
+            r(NT, 1, 2, C, V))
+    (qn, kn), unit_vjp = jax.vjp(unit, *args[:2])
+    dqn, dkn, *others = xla.chunk_grads(qn, kn, *args[2:], 0.25, want, *rest)
+    want_grads = (*unit_vjp((dqn, dkn)), *others)
+    if tm:
+        got = pgrads.chunk_grads(*run_args, 0.25, want, *rest[:4], token_major(rest[4]),
+                                 token_major=True, interpret=True, normalize_qk=True)
+        got = tuple(map(token_major, got))
+    else:
+        got = pgrads.chunk_grads(*args, 0.25, want, *rest, interpret=True, normalize_qk=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want_grads):
         assert_rel(a, b, 1e-5, name)
 
 

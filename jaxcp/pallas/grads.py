@@ -24,6 +24,11 @@ G = cumsum(g), E_ij = exp(G_i - G_j), Xk = beta exp(G) k (so w = T Xk, u = T (be
          - rowsum(dkd o kd) + [i = C] (sum(dkd o kd) + d_decay exp(G_C))
     dg = reverse cumsum of dG within the chunk (step 1 passes its part of dG to step 2)
 
+With normalize_qk, q and k are read raw and normalised in the kernels (q_n = r_q q with
+r_q = (q . q + eps)^(-1/2) per row); the formulas above run on q_n, k_n, and the last pass
+over dq (step 1) and dk (step 2) applies the normalisation's vjp:
+dq = r_q (dq_n - q_n rowsum(dq_n o q_n)), the same for k.
+
 Only [C, C] tiles and [C, 64] blocks are live at a time; split in two, each kernel holds
 few enough of them that registers hardly spill (one fused kernel spent most of its time
 on spill traffic). For bf16 inputs every product has bf16 operands (fp32 tiles are
@@ -39,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.intra import (_chunk_specs, _col_blocks, _cols, _dots, _f32, _gates, _gram,
-                                token_dims)
+                                _row_scale, _scale_gram, token_dims)
 from jaxcp.pallas.state import _params
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
@@ -55,25 +60,29 @@ def _sum_dots(dot, rows_ref, state_tiles, bv: int):
 
 
 def _inter_kernel(q_ref, k_ref, g_ref, attn_ref, h_ref, vn_ref, x_ref, dvn_ref, do_ref,
-                  dq_ref, dk_ref, dw_ref, dg_ref, *, scale, dots):
+                  dq_ref, dk_ref, dw_ref, dg_ref, *, scale, dots, normalize):
     """Step 1: dq, the partial dk, dw and the partial dG of one (chunk, head)."""
     gates = _gates(_f32(g_ref))
     dot = dots.plain
     K, V = k_ref.shape[-1], vn_ref.shape[-1]
     bk, bv = _col_blocks(K), _col_blocks(V)
+    rq, rk = _row_scale(q_ref, bk, normalize), _row_scale(k_ref, bk, normalize)
     dattn = _sum_dots(dot, do_ref, [_cols(vn_ref, j, bv) for j in range(V // bv)], bv)
     p = dattn * _f32(attn_ref)
     dG = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
     d = dattn * gates.causal() * scale
     dG_last = jnp.zeros((), jnp.float32)
+    dq_q = jnp.zeros_like(dG)        # rowsum(dq o q), for the normalisation's vjp
     state_tiles = lambda ref, i: [ref.at[pl.ds(i * bk, bk), pl.ds(j * bv, bv)]
                                   for j in range(V // bv)]
     # one [C, bk] accumulator at a time: fewer live tiles, no spills to local memory
     for i in range(K // bk):
-        q, k = _f32(_cols(q_ref, i, bk)), _f32(_cols(k_ref, i, bk))
+        q, k = _unit_rows(q_ref, i, bk, rq), _unit_rows(k_ref, i, bk, rk)
         dqg = _sum_dots(dot, do_ref, state_tiles(h_ref, i), bv)
-        _cols(dq_ref, i, bk)[...] = (dqg * (gates.eg * scale)[:, None]
-                                     + dot(d, k)).astype(dq_ref.dtype)
+        dq = dqg * (gates.eg * scale)[:, None] + dot(d, k)
+        _cols(dq_ref, i, bk)[...] = dq.astype(dq_ref.dtype)
+        if normalize:
+            dq_q += jnp.sum(dq * q, axis=1)
         dG += jnp.sum(dqg * q, axis=1) * gates.eg * scale
         dkd = None
         for j, (h, x) in enumerate(zip(state_tiles(h_ref, i), state_tiles(x_ref, i))):
@@ -88,13 +97,31 @@ def _inter_kernel(q_ref, k_ref, g_ref, attn_ref, h_ref, vn_ref, x_ref, dvn_ref, 
         dG_last += jnp.sum(dkd_kd)
         dw = -_sum_dots(dot, dvn_ref, state_tiles(h_ref, i), bv)
         _cols(dw_ref, i, bk)[...] = dw.astype(dw_ref.dtype)
+    if normalize:
+        _normalize_vjp(dq_ref, q_ref, rq, dq_q, bk)
     # dG_C reaches every row of the reverse cumsum: add it to the last row
     C = dG.shape[0]
     dg_ref[...] = dG + jnp.where(lax.iota(jnp.int32, C) == C - 1, dG_last, 0.0)
 
 
+def _unit_rows(ref, i: int, bk: int, r):
+    """Block i of a [C, d] tile ref in float32, its rows scaled by r (None: as stored)."""
+    x = _f32(_cols(ref, i, bk))
+    return x if r is None else x * r[:, None]
+
+
+def _normalize_vjp(dx_ref, x_ref, r, dy_y, bk: int):
+    """dx = r (dy - y (dy . y)) in place of dy in dx_ref: the vjp of y = r x, r = (x . x +
+    eps)^(-1/2), given dy . y per row (dy_y [C]). dy is read back as stored (for bf16
+    inputs rounded once, as the unfused op's cotangent of the normalised rows is)."""
+    for i in range(x_ref.shape[-1] // bk):
+        y = _unit_rows(x_ref, i, bk, r)
+        dy = _f32(_cols(dx_ref, i, bk))
+        _cols(dx_ref, i, bk)[...] = ((dy - y * dy_y[:, None]) * r[:, None]).astype(dx_ref.dtype)
+
+
 def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, inv_ref, dvn_ref, dw_ref, dg1_ref,
-               dk1_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, dots):
+               dk1_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, dots, normalize):
     """Step 2: the WY backward of one (chunk, head); dk1_ref and dk_ref are one buffer."""
     g, beta = _f32(g_ref), _f32(beta_ref)
     gates = _gates(g)
@@ -102,6 +129,7 @@ def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, inv_ref, dvn_ref, dw
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     bk, bv = _col_blocks(K), _col_blocks(V)
     inv = inv_ref[...]
+    rk = _row_scale(k_ref, bk, normalize)
     da = dbeta = None
     for j in range(V // bv):
         dy = dot(inv.T, _cols(dvn_ref, j, bv)[...])
@@ -111,7 +139,7 @@ def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, inv_ref, dvn_ref, dw
         da, dbeta = (da_j, dbeta_j) if da is None else (da + da_j, dbeta + dbeta_j)
     dG = _f32(dg1_ref)
     for i in range(K // bk):
-        k = _f32(_cols(k_ref, i, bk))
+        k = _unit_rows(k_ref, i, bk, rk)
         dxk = dot(inv.T, _cols(dw_ref, i, bk)[...])
         da -= dot(dxk, _cols(w_ref, i, bk)[...].T)
         dxk_k = jnp.sum(dxk * k, axis=1) * gates.eg
@@ -121,24 +149,33 @@ def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, inv_ref, dvn_ref, dw
         _cols(dk_ref, i, bk)[...] = dk.astype(dk_ref.dtype)
     strict = gates.strict()
     z = beta[:, None] * da * strict
-    da_kk = da * strict * _gram(k_ref, k_ref, dots, bk)     # R = dA o A = beta_i da_kk
+    # R = dA o A = beta_i da_kk
+    da_kk = da * strict * _scale_gram(_gram(k_ref, k_ref, dots, bk), rk, rk)
     r = beta[:, None] * da_kk
     dG += jnp.sum(r, axis=1) - jnp.sum(r, axis=0)
     dbeta_ref[...] = (dbeta + jnp.sum(da_kk, axis=1)).astype(dbeta_ref.dtype)
+    dk_k = jnp.zeros_like(dG)
     for i in range(K // bk):
-        k = _cols(k_ref, i, bk)[...]
+        k = _unit_rows(k_ref, i, bk, rk)
         # the dk stored above (rounded once more for bf16 inputs)
         dk = _f32(_cols(dk_ref, i, bk)) + dot(z, k) + dot(z.T, k)
         _cols(dk_ref, i, bk)[...] = dk.astype(dk_ref.dtype)
+        if normalize:
+            dk_k += jnp.sum(dk * k, axis=1)
+    if normalize:
+        _normalize_vjp(dk_ref, k_ref, rk, dk_k, bk)
     dg_ref[...] = (jnp.sum(dG) - jnp.cumsum(dG) + dG).astype(dg_ref.dtype)
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
-                token_major: bool = False, interpret: bool = False, precise: bool = True):
+                token_major: bool = False, interpret: bool = False, precise: bool = True,
+                normalize_qk: bool = False):
     """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) in the dtypes and the
     layout of q, k, v, g, beta (chunk layout, or [B, NT, C, HV, ...] with token_major, as
     do); accumulation is float32. terms must carry the inverse
-    (``intra_chunk(..., with_inverse=True)``)."""
+    (``intra_chunk(..., with_inverse=True)``). normalize_qk: q, k are raw and the terms are
+    those of their L2-normalised rows (``intra_chunk(normalize_qk=True)``); dq, dk are then
+    the cotangents of the raw q, k (the normalisation's vjp is applied in the kernels)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     NT, B, HV, C = token_dims(k, token_major)
@@ -153,14 +190,14 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     tk, tv, tvec = sp.token_tile(K), sp.token_tile(V), sp.token_vec
     # dw is an operand of bf16 products for bf16 inputs: stored in q's dtype, nothing is lost
     dq, dk1, dw, dg1 = pl.pallas_call(
-        partial(_inter_kernel, scale=scale, dots=dots), grid=(NT, B, HV),
+        partial(_inter_kernel, scale=scale, dots=dots, normalize=normalize_qk), grid=(NT, B, HV),
         in_specs=[tk, tk, tvec, sp.tile(C), state, sp.tile(V), state, sp.tile(V), tv],
         out_specs=[tk, tk, sp.tile(K), sp.vec],
         out_shape=[out(q.shape, q.dtype), out(k.shape, k.dtype),
                    out(w.shape, q.dtype), out(attn.shape[:-1], jnp.float32)],
         **_params(interpret, 0))(q, k, g, attn, h, v_new, x, dvn, do)
     dk, dv, dg, dbeta = pl.pallas_call(
-        partial(_wy_kernel, dots=dots), grid=(NT, B, HV),
+        partial(_wy_kernel, dots=dots, normalize=normalize_qk), grid=(NT, B, HV),
         in_specs=[tk, tv, tvec, tvec, sp.tile(K), sp.tile(V), sp.tile(C), sp.tile(V),
                   sp.tile(K), sp.vec, tk],
         out_specs=[tk, tv, tvec, tvec],

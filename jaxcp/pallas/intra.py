@@ -11,6 +11,10 @@ Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
     qg    = scale exp(G) q,   kd = exp(G_C - G) k,   decay = exp(G_C)
     attn  = lower(scale (q_i . k_j) E_ij)
 
+With normalize_qk the kernel reads raw q, k and computes the terms of their L2-normalised
+rows: the row factors 1 / ||q_i||, 1 / ||k_i|| join the row scales above (and scale the
+grams), so the normalised q and k are never written.
+
 The inverse is 2 (log2(C) - 1) tensor-core dots (forward substitution would be C dependent
 row updates). K and V are walked in blocks of 64 columns so that no [C, K] or [C, V] tile
 stays live across the kernel (at K = 256 they would not fit in registers).
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcp.l2norm import L2NORM_EPS
 from jaxcp.pallas.state import _params, fp32_precision
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
@@ -129,10 +134,33 @@ def _gram(x_ref, y_ref, dots: _Dots, bk: int):
     return acc
 
 
-def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int):
-    """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij)."""
-    kk = _gram(k_ref, k_ref, dots, bk)
+def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int, rk=None):
+    """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij), the keys scaled by rk
+    (``_row_scale``) when it is given."""
+    kk = _scale_gram(_gram(k_ref, k_ref, dots, bk), rk, rk)
     return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
+
+
+def _row_scale(ref, bk: int, normalize: bool):
+    """1 / sqrt(sum(x^2) + eps) of each row of a [C, d] tile ref ([C] float32), the L2 norm
+    that ``jaxcp.l2norm.l2_normalize`` applies, or None (no normalisation). The kernels fold
+    it into the row scales they apply anyway, so that normalised q and k never go through
+    memory."""
+    if not normalize:
+        return None
+    sq = sum(jnp.sum(jnp.square(_f32(_cols(ref, j, bk))), axis=1)
+             for j in range(ref.shape[-1] // bk))
+    return lax.rsqrt(sq + L2NORM_EPS)
+
+
+def _scale_gram(xy, rx, ry):
+    """diag(rx) xy diag(ry) of a [C, C] gram (rows of x scaled by rx, of y by ry)."""
+    return xy if rx is None else xy * rx[:, None] * ry[None, :]
+
+
+def _times(row_vec, r):
+    """row_vec * r, r None meaning 1."""
+    return row_vec if r is None else row_vec * r
 
 
 def _f32(ref):
@@ -140,22 +168,23 @@ def _f32(ref):
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, attn_ref,
-                  *inv_ref, scale, dots):
+                  *inv_ref, scale, dots, normalize):
     g, beta = _f32(g_ref), _f32(beta_ref)
     gates = _gates(g)
     bk, bv = _col_blocks(k_ref.shape[-1]), _col_blocks(v_ref.shape[-1])
-    attn = _gram(q_ref, k_ref, dots, bk) * gates.causal() * scale
+    rq, rk = _row_scale(q_ref, bk, normalize), _row_scale(k_ref, bk, normalize)
+    attn = _scale_gram(_gram(q_ref, k_ref, dots, bk), rq, rk) * gates.causal() * scale
     attn_ref[...] = attn.astype(attn_ref.dtype)
-    inv = _inverse(k_ref, beta, gates, dots, bk)
+    inv = _inverse(k_ref, beta, gates, dots, bk, rk)
     if inv_ref:
         inv_ref[0][...] = inv.astype(inv_ref[0].dtype)
     for j in range(k_ref.shape[-1] // bk):
         k = _f32(_cols(k_ref, j, bk))
-        w = dots.plain(inv, k * (beta * gates.eg)[:, None])
+        w = dots.plain(inv, k * _times(beta * gates.eg, rk)[:, None])
         _cols(w_ref, j, bk)[...] = w.astype(w_ref.dtype)
-        qg = _f32(_cols(q_ref, j, bk)) * (gates.eg * scale)[:, None]
+        qg = _f32(_cols(q_ref, j, bk)) * _times(gates.eg * scale, rq)[:, None]
         _cols(qg_ref, j, bk)[...] = qg.astype(qg_ref.dtype)
-        _cols(kd_ref, j, bk)[...] = (k * gates.tail[:, None]).astype(kd_ref.dtype)
+        _cols(kd_ref, j, bk)[...] = (k * _times(gates.tail, rk)[:, None]).astype(kd_ref.dtype)
     for j in range(v_ref.shape[-1] // bv):
         u = dots.plain(inv, _f32(_cols(v_ref, j, bv)) * beta[:, None])
         _cols(u_ref, j, bv)[...] = u.astype(u_ref.dtype)
@@ -193,11 +222,12 @@ def token_dims(x, token_major: bool) -> tuple[int, int, int, int]:
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
                 token_major: bool = False, interpret: bool = False, precise: bool = True,
-                out_dtype=jnp.float32) -> ChunkTerms:
+                out_dtype=jnp.float32, normalize_qk: bool = False) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). q, k, v, g, beta in chunk
     layout or, with token_major, [B, NT, C, HV, ...]; the terms are in chunk layout. precise:
     fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
-    out_dtype is the dtype of w, u, qg, kd, attn and inv (decay stays float32)."""
+    out_dtype is the dtype of w, u, qg, kd, attn and inv (decay stays float32).
+    normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows)."""
     NT, B, HV, C = token_dims(k, token_major)
     K, V = k.shape[-1], v.shape[-1]
     sp = _chunk_specs(C, token_major)
@@ -205,7 +235,8 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, out_dtype, manual_axis_type=mat)
     shapes = [(C, K), (C, V), (C, K), (C, K), (C, C)] + [(C, C)] * with_inverse
     w, u, qg, kd, attn, *inv = pl.pallas_call(
-        partial(_intra_kernel, scale=scale, dots=_dots(precise, interpret)), grid=(NT, B, HV),
+        partial(_intra_kernel, scale=scale, dots=_dots(precise, interpret),
+                normalize=normalize_qk), grid=(NT, B, HV),
         in_specs=[sp.token_tile(K), sp.token_tile(K), sp.token_tile(V), sp.token_vec,
                   sp.token_vec],
         out_specs=[sp.tile(s[1]) for s in shapes],
