@@ -12,6 +12,13 @@ from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 
 
+# Largest K for which GDN's Pallas kernels L2-normalise q, k themselves. Measured on the H100
+# (docs/benchmarks/kernels.md): at K = 128 it saves the norm's passes (fwd 5.48 -> 5.09 ms,
+# fwd+bwd 17.39 -> 16.62 at T = 32768, H = 64); at K = 256 it cost more than it saved
+# (fwd 4.62 -> 5.81, fwd+bwd 15.12 -> 16.65 at H = 16), so there XLA normalises first.
+NORMALIZE_IN_KERNELS_MAX_K = 128
+
+
 def resolve_backend(backend: str | None) -> str:
     """None picks "pallas" when JAX's default backend is a GPU, else "xla"."""
     if backend is not None:
@@ -44,7 +51,8 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     # GDN's Pallas kernels read bf16 q, k, v as they are (half the bytes of the chunk layout)
     io = jnp.bfloat16 if gdn_kernels and dot_dtype == "bfloat16" else jnp.float32
     # GDN's Pallas kernels normalise q, k themselves (no pass over them through memory)
-    normalize_in_kernels = use_qk_l2norm_in_kernel and gdn_kernels
+    normalize_in_kernels = (use_qk_l2norm_in_kernel and gdn_kernels
+                            and K <= NORMALIZE_IN_KERNELS_MAX_K)
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel and not normalize_in_kernels:
         q, k = l2_normalize(q), l2_normalize(k)
