@@ -70,9 +70,13 @@ def test_pallas_interpret_l2norm_before_kernels(monkeypatch):
     """Above NORMALIZE_IN_KERNELS_MAX_K (K = 256 in use) XLA normalises q, k before the GDN
     kernels instead of the kernels doing it: the same op."""
     monkeypatch.setattr(jaxcp.ops, "NORMALIZE_IN_KERNELS_MAX_K", 16)
+    normalised = []
+    norm = jaxcp.ops.l2_normalize
+    monkeypatch.setattr(jaxcp.ops, "l2_normalize", lambda x: normalised.append(x) or norm(x))
     args = make_inputs("gdn", 1, 128, 1, 2, 32, 16, n_states=1)
     check_against_reference("gdn", args, jnp.float32, use_qk_l2norm_in_kernel=True,
                             backend="interpret")
+    assert normalised, "XLA did not normalise q, k before the kernels"
 
 
 @pytest.mark.parametrize("kind, T", [("gdn", 70), ("kda", 70), ("gdn", 128)])

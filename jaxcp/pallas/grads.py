@@ -112,8 +112,11 @@ def _unit_rows(ref, i: int, bk: int, r):
 
 def _normalize_vjp(dx_ref, x_ref, r, dy_y, bk: int):
     """dx = r (dy - y (dy . y)) in place of dy in dx_ref: the vjp of y = r x, r = (x . x +
-    eps)^(-1/2), given dy . y per row (dy_y [C]). dy is read back as stored (for bf16
-    inputs rounded once, as the unfused op's cotangent of the normalised rows is)."""
+    eps)^(-1/2), given dy . y per row (dy_y [C], from dy before its last rounding). dy is
+    read back as stored: for bf16 inputs rounded to bf16 (dk after each of its partial
+    sums), as the unfused op hands the norm's vjp a bf16 cotangent. The store and this load
+    of a block use the same layout, so each element is read back by the thread that wrote
+    it (the dk partial sums rely on the same)."""
     for i in range(x_ref.shape[-1] // bk):
         y = _unit_rows(x_ref, i, bk, r)
         dy = _f32(_cols(dx_ref, i, bk))
