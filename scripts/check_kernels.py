@@ -9,6 +9,9 @@ each, without cu_seqlens (when T is a multiple of 64 the GDN kernels then read t
 place). Keys: "random" (independent normals) or "correlated" (the keys of a head share one
 direction plus 10 % noise, with 10x weaker decay, as for the repeated tokens of real data,
 where (I + A)^-1 is far from I). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
+With --repeat N the op runs N times per case and must give the same bits every time (a
+kernel that reads back what other threads wrote without a barrier would not); a case that
+does not shows NaN errors.
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
-          keys: str = "random") -> list[float]:
-    """Relative errors (NAMES) of the op against the float32 reference on one random problem."""
+          keys: str = "random", repeat: int = 1) -> list[float]:
+    """Relative errors (NAMES) of the op against the float32 reference on one random problem;
+    NaN for all when `repeat` runs of the op on the same inputs do not agree bit for bit."""
     import jax
     import jax.numpy as jnp
     import jaxcp
@@ -55,7 +59,13 @@ def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
             return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(final * wf), (o, final)
         return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
 
-    (_, (o, f)), grads = loss(op, backend=backend)(*xs)
+    fn = loss(op, backend=backend)
+    (_, (o, f)), grads = fn(*xs)
+    for _ in range(repeat - 1):     # the same inputs must give the same bits (no races)
+        (_, again), grads_again = fn(*xs)
+        if not all(bool(jnp.array_equal(a, b)) for a, b in zip(
+                jax.tree.leaves((o, f, grads)), jax.tree.leaves((again, grads_again)))):
+            return [float("nan")] * len(NAMES)
     (_, (o_r, f_r)), grads_r = loss(ref)(*(x.astype(jnp.float32) for x in xs))
     errs = []
     for a, b in zip([o, f, *grads], [o_r, f_r, *grads_r]):
@@ -76,7 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layouts", default="varlen,batch")
     ap.add_argument("--keys", default="random,correlated")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of the op per case, which must agree bit for bit")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be positive")
     layouts, key_kinds = args.layouts.split(","), args.keys.split(",")
     if not set(layouts) <= {"varlen", "batch"}:
         ap.error("--layouts: comma list of varlen, batch")
@@ -93,7 +107,8 @@ def main(argv=None) -> int:
         for lay, keys in ((lay, keys) for lay in layouts for keys in key_kinds):
             for T in args.T:
                 for D in args.D:
-                    errs = check(kind, args.backend, lay, T, D, args.H, dtype, keys)
+                    errs = check(kind, args.backend, lay, T, D, args.H, dtype, keys,
+                                 args.repeat)
                     good = errs[0] < lim_o and all(e < lim for e in errs[1:])
                     ok &= good
                     rows.append((kind, lay, keys, T, D, errs, good))

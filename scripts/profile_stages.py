@@ -4,11 +4,13 @@
 
 Stages, as ``backend="pallas"`` runs them for bf16 inputs and one sequence of whole chunks
 (the kernels read q, k, v, g, beta and write o token-major, in place): the L2 norm of q and
-k (XLA), the intra-chunk terms (with the inverse in the backward), the forward state
-recurrence fused with the output (what the forward runs), the forward recurrence that stores
-h and v_new (what the backward recomputes), the reverse recurrence, and the input
-cotangents; then the whole op. With --variants, rows marked "variant" re-time a stage in
-another form (not what ships): the chunk layout's transpose, other tile and warp counts.
+k (XLA; only above NORMALIZE_IN_KERNELS_MAX_K, else the kernels normalise), the intra-chunk
+terms (with the inverse in the backward), the forward state recurrence fused with the output
+(what the forward runs), the forward recurrence that stores h and v_new (what the backward
+recomputes), the reverse recurrence, and the input cotangents; then the whole op. With
+--variants, rows marked "variant" re-time a stage in another form (not what ships): the
+chunk layout's transpose, other tile and warp counts. --interpret runs the kernels in
+interpret mode (a smoke test on the CPU, with small --T and --H).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--interpret", action="store_true")
     args = ap.parse_args(argv)
 
     import jax
@@ -34,6 +37,7 @@ def main(argv=None):
     from jax.experimental.pallas import triton as pltriton
     import jaxcp
     from jaxcp.layout import build_layout, num_chunks, to_chunks
+    from jaxcp.ops import NORMALIZE_IN_KERNELS_MAX_K
     from jaxcp.pallas import grads as pgrads
     from jaxcp.pallas import intra as pintra
     from jaxcp.pallas import state as pstate
@@ -59,33 +63,49 @@ def main(argv=None):
         print(f"{name:44} {ms:9.3f} ms", flush=True)
         return fn(*xs)
 
-    q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
+    raw_q, raw_k = q, k
+    norm_inside = D <= NORMALIZE_IN_KERNELS_MAX_K
+    if not norm_inside:
+        q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
     chunks = tuple(map(tokens, (q, k, v, g, beta)))
+    pallas = dict(interpret=args.interpret, normalize_qk=norm_inside)
     intra = partial(pintra.intra_chunk, scale=scale, token_major=True, precise=False,
-                    out_dtype=bf16)
+                    out_dtype=bf16, **pallas)
     timed("intra_chunk", lambda *xs: intra(*xs), *chunks)
     terms = timed("intra_chunk with the inverse (backward)",
                   lambda *xs: intra(*xs, with_inverse=True), *chunks)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
+    kw = dict(dot_dtype=bf16, interpret=args.interpret)
     output = lambda t: pstate.state_output(t, layout, None, h0, False, token_major=True,
-                                           dot_dtype=bf16)[0]
+                                           **kw)[0]
     timed("state_output (fwd recurrence + output)", output, terms)
     h, vn, _ = timed("state_fwd (stores h, v_new)", lambda t: pstate.state_fwd(
-        t, layout, None, h0, dot_dtype=bf16), terms)
+        t, layout, None, h0, **kw), terms)
     do = tokens(r(1, T, H, D))
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
-        t, layout, d, None, h0, token_major=True, dot_dtype=bf16), terms, do)
+        t, layout, d, None, h0, token_major=True, **kw), terms, do)
     grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], token_major=True,
-                                           precise=False)
+                                           precise=False, **pallas)
     timed("chunk_grads", grads, *chunks, terms, h, vn, x, dvn, do)
 
     if args.variants:
         timed("variant: to_chunks (chunk layout: pad + transpose)", lambda *xs: tuple(
             to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
+        # the other side of NORMALIZE_IN_KERNELS_MAX_K: kernels normalising q, k or not
+        other = dict(pallas, normalize_qk=not norm_inside)
+        qk = (raw_q, raw_k) if other["normalize_qk"] else (l2(raw_q), l2(raw_k))
+        flipped = tuple(map(tokens, qk)) + chunks[2:]
+        how = "normalising q, k" if other["normalize_qk"] else "on q, k normalised by XLA"
+        timed(f"variant: intra_chunk {how}", lambda *xs: pintra.intra_chunk(
+            *xs, scale=scale, token_major=True, precise=False, out_dtype=bf16, **other),
+            *flipped)
+        timed(f"variant: chunk_grads {how}", lambda *xs: pgrads.chunk_grads(
+            *xs[:5], scale, *xs[5:], token_major=True, precise=False, **other),
+            *flipped, terms, h, vn, x, dvn, do)
         for bv in (32, 16):
             pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
             timed(f"variant: state_output BV={bv}", output, terms)
-        for warps, stages in ((8, 1), (4, 2)):
+        for warps, stages in ((8, 1), (4, 2)) if not args.interpret else ():
             params = lambda interpret, *_, w=warps, n=stages: {
                 "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
             pintra._params, pgrads._params = params, params
@@ -97,8 +117,9 @@ def main(argv=None):
         for mod in (pstate, pintra, pgrads):
             importlib.reload(mod)
 
-    op = partial(jaxcp.chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True, backend="pallas")
-    xs = (q, k, v, g[..., 0], beta.astype(jnp.bfloat16))
+    op = partial(jaxcp.chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True,
+                 backend="interpret" if args.interpret else "pallas")
+    xs = (raw_q, raw_k, v, g[..., 0], beta.astype(jnp.bfloat16))
     timed("op forward", lambda *a: op(*a)[0], *xs)
     wo = r(1, T, H, D)
     loss = lambda *a: jnp.sum(op(*a)[0].astype(jnp.float32) * wo)
