@@ -102,15 +102,18 @@ def main(argv=None):
         timed(f"variant: chunk_grads {how}", lambda *xs: pgrads.chunk_grads(
             *xs[:5], scale, *xs[5:], token_major=True, precise=False, **other),
             *flipped, terms, h, vn, x, dvn, do)
+        block_cols = pstate._block_cols
         for bv in (32, 16):
             pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
             timed(f"variant: state_output BV={bv}", output, terms)
+        pstate._block_cols = block_cols
         for warps, stages in ((8, 1), (4, 2)) if not args.interpret else ():
             params = lambda interpret, *_, w=warps, n=stages: {
                 "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
-            pintra._params, pgrads._params = params, params
+            pintra._params, pgrads._params, pstate._params = params, params, params
             timed(f"variant: intra_chunk {warps} warps, {stages} stages",
                   lambda *xs: intra(*xs), *chunks)
+            timed(f"variant: state_output {warps} warps, {stages} stages", output, terms)
             timed(f"variant: chunk_grads {warps} warps, {stages} stages", grads,
                   *chunks, terms, h, vn, x, dvn, do)
         import importlib
