@@ -95,6 +95,23 @@ def test_causal_self_attention_cp(cu):
                                               block_size=5, rngs=nnx.Rngs(0)), 4, 48, cu)
 
 
+def test_fused_attention_path(monkeypatch):
+    """One unpacked sequence without CP goes through jax.nn.dot_product_attention (cuDNN on a
+    GPU; its XLA form here) and equals the blockwise softmax, gradients included."""
+    from jaxcp.models import attention
+    assert attention.fused_attention_impl(jnp.zeros((1, 4, 2, 16), jnp.bfloat16)) is None  # CPU
+    attn = CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, block_size=5, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 12, HIDDEN)), jnp.float32)
+    loss = lambda x: jnp.sum(attn(x) ** 2)
+    want, want_grad = attn(x), jax.grad(loss)(x)
+    calls = []
+    monkeypatch.setattr(attention, "fused_attention_impl", lambda q: calls.append(q) or "xla")
+    got, got_grad = attn(x), jax.grad(loss)(x)
+    assert calls
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_is_per_sequence():
     """Packed sequences attend only within themselves, with positions restarting at each."""
     attn = CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, rngs=nnx.Rngs(0))

@@ -25,7 +25,8 @@ class CausalSelfAttention(nnx.Module):
     """softmax(q k^T / sqrt(D) + causal/segment mask) v, q/k rotated by RoPE at each token's
     position inside its own sequence; num_kv_heads < num_heads shares K/V heads (GQA).
     The softmax runs blockwise (``blockwise_attention``, query chunks and key blocks of
-    block_size tokens), so memory grows linearly in T.
+    block_size tokens), so memory grows linearly in T; one unpacked sequence without CP on a
+    GPU (bf16 / fp16) takes cuDNN's fused kernel instead (``fused_attention_impl``).
 
     With cp_axis (inside shard_map, x is this device's slice of the sequence; outside one, the
     layer enters shard_map over the current mesh) K and V are all-gathered over the axis and the
@@ -73,6 +74,20 @@ class CausalSelfAttention(nnx.Module):
         if self.cp_axis is not None:
             gather = lambda a, axis: lax.all_gather(a, self.cp_axis, axis=axis, tiled=True)
             k, v, k_pos, k_seq = gather(k, 1), gather(v, 1), gather(pos, 0), gather(seq, 0)
-        o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
-                                block_k=self.block_size)
+        fused = fused_attention_impl(q)
+        if fused is not None and self.cp_axis is None and cu_seqlens is None:
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
+        else:
+            o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
+                                    block_k=self.block_size)
         return self.o_proj(o.reshape(B, T, -1))
+
+
+def fused_attention_impl(q: jax.Array) -> str | None:
+    """"cudnn" (jax.nn.dot_product_attention's fused flash kernel) on a GPU for bf16 / fp16
+    and head_dim <= 128, else None: blockwise_attention, which also serves packed sequences
+    (segment masks) and CP (causal offsets into the gathered keys), neither of which the
+    fused kernel takes without a [T, T] mask."""
+    if jax.default_backend() != "gpu" or q.shape[-1] > 128:
+        return None
+    return "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else None
