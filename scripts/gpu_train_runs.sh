@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Train the GDN hybrid LM (gdn,gdn,gdn,attn, hidden 1024, 8 heads of 128) on 65536-token
-# sequences on a multi-GPU machine, with and without context parallelism, and tabulate the runs:
+# MQAR sequences on a multi-GPU machine, with and without context parallelism, and tabulate
+# the runs:
 #
 #   bash scripts/gpu_train_runs.sh OUT_DIR
 #
@@ -15,7 +16,8 @@
 #   RUNS="cp4 single dp4"   the runs to do, in order
 #   BACKEND=pallas          --backend for the GDN layers (default: the library's)
 #   EXTRA="..."             train.py flags appended to each run (the last of a flag wins), e.g.
-#                           EXTRA="--seq-len 256 --hidden 64 --heads 2 --head-dim 32 --steps 3"
+#                           EXTRA="--seq-len 256 --hidden 64 --heads 2 --head-dim 32 --steps 3
+#                           --vocab 64 --pairs 4"
 #   RUN_TIMEOUT=900         seconds per run (default: none)
 #   PYTHON=.venv/bin/python
 set -u
@@ -25,8 +27,11 @@ py=${PYTHON:-.venv/bin/python}
 report=${REPORT:-docs/benchmarks/train.md}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
+# MQAR with 2048 pairs (keys in the first 4096 tokens, queries from token 32768): 2048
+# supervised tokens per sequence, recalled across devices under CP; lr 1e-3 for this width
 common=(--layers gdn,gdn,gdn,attn --hidden 1024 --heads 8 --head-dim 128 --seq-len 65536
-        --dtype bfloat16 --steps 12 --eval-every 0 --ckpt-every 0)
+        --vocab 8192 --pairs 2048 --lr 1e-3 --warmup 10 --dtype bfloat16 --steps 30
+        --eval-every 10 --ckpt-every 0)
 if [ -n "${BACKEND:-}" ]; then common+=(--backend "$BACKEND"); fi
 read -r -a extra <<< "${EXTRA:-}"
 

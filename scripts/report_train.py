@@ -17,7 +17,7 @@ import os
 import sys
 
 COLUMNS = ("run", "result", "mesh", "layers", "seq len", "global batch", "dtype", "backend",
-           "step ms", "tokens/s", "tokens/s per GPU", "peak mem per GPU GiB", "device", "jax",
+           "steps", "loss", "eval accuracy", "step ms", "tokens/s", "tokens/s per GPU", "peak mem per GPU GiB", "device", "jax",
            "command")
 
 
@@ -87,7 +87,8 @@ def row(run: dict) -> list[str]:
     command = f"{env} {cfg['command']}".strip()
     return [run["name"], run["status"], f"data={data},seq={seq}", args["layers"],
             str(args["seq_len"]), str(args["batch"]), args["dtype"], _backend(cfg),
-            _number(res.get("step_ms"), 1), _number(res.get("tokens_per_s"), 0),
+            str(res.get("step", "-")), _number(res.get("loss"), 4),
+            _number(res.get("eval_accuracy"), 4), _number(res.get("step_ms"), 1), _number(res.get("tokens_per_s"), 0),
             _number(per_device, 0), _number(res.get("peak_mem_gib"), 2),
             f"{n} x {cfg['device_kind']}", cfg["jax_version"], f"`{command}`"]
 
