@@ -5,7 +5,7 @@
 
 FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
 same GPU, before JAX takes the device; it is skipped (with a note) when it cannot be imported.
-FLA is timed with q, k normalised by torch (F.normalize, as its benchmarks do) and by its
+FLA is timed with q, k normalised by torch (F.normalize before the op) and by its
 fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
 Each time is the median of --iters timed calls after warm-up, a call being the jitted forward
@@ -62,7 +62,7 @@ def run_fla(configs, iters: int) -> list[dict]:
         q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
         beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         g = F.logsigmoid(torch.randn(1, T, H, device="cuda")).requires_grad_(True)
-        # two ways to normalise q, k: torch outside (as FLA's own benchmarks) or FLA's fused
+        # two ways to normalise q, k: torch before the op or FLA's fused
         # kernel; FLA is credited with the faster of the two
         fwds = {"torch": lambda: chunk_gated_delta_rule(F.normalize(q, p=2, dim=-1),
                                                         F.normalize(k, p=2, dim=-1), v, g,
