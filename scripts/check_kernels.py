@@ -10,8 +10,9 @@ place). Keys: "random" (independent normals) or "correlated" (the keys of a head
 direction plus 10 % noise, with 10x weaker decay, as for the repeated tokens of real data,
 where (I + A)^-1 is far from I). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
 With --repeat N the op runs N times per case and must give the same bits every time (a
-kernel that reads back what other threads wrote without a barrier would not); a case that
-does not shows NaN errors.
+kernel that reads back what other threads wrote without a barrier would not; run with
+XLA_FLAGS=--xla_gpu_deterministic_ops=true so that XLA's own reductions are deterministic
+too); a case that does not shows NaN errors.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
     (_, (o, f)), grads = fn(*xs)
     for _ in range(repeat - 1):     # the same inputs must give the same bits (no races)
         (_, again), grads_again = fn(*xs)
-        if not all(bool(jnp.array_equal(a, b)) for a, b in zip(
+        if not all(bool(jnp.array_equal(a, b, equal_nan=True)) for a, b in zip(
                 jax.tree.leaves((o, f, grads)), jax.tree.leaves((again, grads_again)))):
             return [float("nan")] * len(NAMES)
     (_, (o_r, f_r)), grads_r = loss(ref)(*(x.astype(jnp.float32) for x in xs))

@@ -84,10 +84,15 @@ class CausalSelfAttention(nnx.Module):
 
 
 def fused_attention_impl(q: jax.Array) -> str | None:
-    """"cudnn" (jax.nn.dot_product_attention's fused flash kernel) on a GPU for bf16 / fp16
-    and head_dim <= 128, else None: blockwise_attention, which also serves packed sequences
-    (segment masks) and CP (causal offsets into the gathered keys), neither of which the
-    fused kernel takes without a [T, T] mask."""
-    if jax.default_backend() != "gpu" or q.shape[-1] > 128:
+    """"cudnn" (jax.nn.dot_product_attention's fused flash kernel) on an NVIDIA GPU of
+    compute capability >= 8.0 for bf16 / fp16 and head_dim a multiple of 8 up to 128, else
+    None: blockwise_attention, which also serves packed sequences (segment masks) and CP
+    (causal offsets into the gathered keys), neither of which the fused kernel takes
+    without a [T, T] mask."""
+    D = q.shape[-1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or D > 128 or D % 8:
         return None
-    return "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else None
+    device = jax.devices()[0]
+    if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
+        return None
+    return "cudnn" if float(getattr(device, "compute_capability", 0)) >= 8.0 else None

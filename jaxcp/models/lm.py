@@ -74,7 +74,9 @@ class LM(nnx.Module):
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
-        x = self.embed(tokens)
+        # nnx.Embed returns float32 whatever its table's dtype: compute in the table's dtype
+        # (bf16 when the train step casts the parameters for bf16 compute)
+        x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
         for block in self.blocks:
             x = block(x, cu_seqlens)
         return self.head(self.norm(x)).astype(jnp.float32)
