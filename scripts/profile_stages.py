@@ -101,6 +101,8 @@ def main(argv=None):
         timed("variant: to_chunks (chunk layout: pad + transpose)", lambda *xs: tuple(
             to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
         # the other side of NORMALIZE_IN_KERNELS_MAX_K: kernels normalising q, k or not
+        if norm_inside:
+            timed("variant: l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), raw_q, raw_k)
         other = dict(pallas, normalize_qk=not norm_inside)
         qk = (raw_q, raw_k) if other["normalize_qk"] else (l2(raw_q), l2(raw_k))
         flipped = tuple(map(tokens, qk)) + chunks[2:]
