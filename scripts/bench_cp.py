@@ -5,9 +5,9 @@ and head all-to-all.
     python scripts/bench_cp.py --report docs/benchmarks/cp.json        # table + plot (.md, .png)
 
 bf16, B = 1, q/k L2-normalised before the timed calls (jaxcp and FLA alike, as FLA's CP
-benchmark does; the norm is not part of the times); one sequence and a packed set of 10. "none" runs the whole
-sequence on one device; the CP strategies split it over all W. rate = (t_none / W) / t (1.0 is
-a perfect split). FLA (torch) runs first, as W processes under torchrun, so that JAX
+benchmark does; the norm is not part of the times); one sequence and a packed set of 10.
+"none" runs the whole sequence on one device; the CP strategies split it over all W.
+rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes under torchrun, so that JAX
 has the GPUs afterwards. Each time is the median of --iters calls after warm-up.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 
-from jax_timing import compile_side_by_side, median_ms
+from jax_timing import time_side_by_side
 from report_notes import notes_beside
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
@@ -131,14 +131,14 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxcp
+    from jaxcp.l2norm import l2_normalize
 
     devices = jax.devices()[:W]
     mesh = Mesh(np.array(devices), ("seq",))
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     # q, k normalised before the timed calls, as FLA's are (its ranks get normalised shards)
-    unit = lambda x: (x * jax.lax.rsqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1,
-                                                keepdims=True))).astype(x.dtype)
+    unit = lambda x: l2_normalize(x).astype(x.dtype)
     q, k, v = unit(r(1, T, H, D)), unit(r(1, T, H, D)), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H))
@@ -166,15 +166,11 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
             loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32))
             jobs += [(strategy, "fwd", jax.jit(call), xs),
                      (strategy, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), xs)]
-        compiled = compile_side_by_side([(fn, xs) for _, _, fn, xs in jobs], compile_threads)
-        for (strategy, passes, _, xs), fn in zip(jobs, compiled):
-            try:
-                if isinstance(fn, Exception):
-                    raise fn
-                ms = median_ms(fn, *xs, iters=iters)
-            except Exception as e:   # reported, not fatal: the other rows still run
+        times = time_side_by_side([(fn, xs) for _, _, fn, xs in jobs], iters, compile_threads)
+        for (strategy, passes, _, _), ms in zip(jobs, times):
+            if isinstance(ms, Exception):   # reported, not fatal: the other rows still run
                 print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} failed: "
-                      f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+                      f"{type(ms).__name__}: {str(ms)[:300]}", flush=True)
                 continue
             records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
                                 T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
@@ -212,8 +208,8 @@ def report(path: str) -> None:
         lines.append(f"| {r['impl']} | {r['strategy']} | {r['nseq']} | {r['pass']} | "
                      f"{r['ms']:.2f} | {rate} | {overhead} |")
     lines += ["", "Target: allgather faster than FLA's KCP, and >= 1.3x faster than all_to_all.",
-              "", "| sequences | pass | allgather ms | FLA KCP ms | allgather / KCP (< 1: met) | "
-              "all_to_all / allgather (>= 1.3: met) |", "|---|---|---|---|---|---|"]
+              "", "| sequences | pass | allgather ms | FLA KCP ms | allgather / KCP (< 1: met) "
+              "| all_to_all / allgather (>= 1.3: met) |", "|---|---|---|---|---|---|"]
     ms = {(r["strategy"], r["nseq"], r["pass"]): r["ms"] for r in records}
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
     for nseq, passes in sorted({(r["nseq"], r["pass"]) for r in records}):

@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-from jax_timing import compile_side_by_side, median_ms
+from jax_timing import time_side_by_side
 from report_notes import notes_beside
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
@@ -110,15 +110,11 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
             jobs += [(impl, "fwd", jax.jit(call)),
                      (impl, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))]
         xs = (q, k, v, g, beta)
-        compiled = compile_side_by_side([(fn, xs) for _, _, fn in jobs], compile_threads)
-        for (impl, passes, _), fn in zip(jobs, compiled):
-            try:
-                if isinstance(fn, Exception):
-                    raise fn
-                ms = median_ms(fn, *xs, iters=iters)
-            except Exception as e:   # an impl that cannot run this shape is reported, not fatal
-                print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(e).__name__}: "
-                      f"{str(e)[:300]}", flush=True)
+        times = time_side_by_side([(fn, xs) for _, _, fn in jobs], iters, compile_threads)
+        for (impl, passes, _), ms in zip(jobs, times):
+            if isinstance(ms, Exception):   # an impl that cannot run this shape: reported
+                print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(ms).__name__}: "
+                      f"{str(ms)[:300]}", flush=True)
                 continue
             out.append(dict(op="gdn", impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=ms, device=device, jax=jax.__version__, fla=fla_version))

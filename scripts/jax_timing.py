@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -38,3 +38,18 @@ def compile_side_by_side(jobs: Sequence[tuple[Callable, tuple]], threads: int = 
 
     with ThreadPoolExecutor(max(1, min(threads, len(jobs)))) as pool:
         return list(pool.map(build, jobs))
+
+
+def time_side_by_side(jobs: Sequence[tuple[Callable, tuple]], iters: int,
+                      threads: int = 8) -> Iterator[float | Exception]:
+    """Compile the jobs side by side (``compile_side_by_side``), then time each in turn
+    (``median_ms``): yields, per job and as soon as it is measured, its milliseconds or the
+    exception its compilation or run raised (so a caller can report it and go on)."""
+    for (_, args), fn in zip(jobs, compile_side_by_side(jobs, threads)):
+        if isinstance(fn, Exception):
+            yield fn
+            continue
+        try:
+            yield median_ms(fn, *args, iters=iters)
+        except Exception as e:   # the caller reports it for that job and goes on
+            yield e

@@ -36,6 +36,7 @@ def main(argv=None):
     import jax.numpy as jnp
     from jax.experimental.pallas import triton as pltriton
     import jaxcp
+    from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
     from jaxcp.ops import NORMALIZE_IN_KERNELS_MAX_K
     from jaxcp.pallas import grads as pgrads
@@ -45,7 +46,7 @@ def main(argv=None):
     T, H, D, C = args.T, args.H, args.D, 64
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-    l2 = lambda x: (x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6))
+    l2 = lambda x: l2_normalize(x).astype(x.dtype)
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H, 1)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32))

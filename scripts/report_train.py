@@ -17,8 +17,8 @@ import os
 import sys
 
 COLUMNS = ("run", "result", "mesh", "layers", "seq len", "global batch", "dtype", "backend",
-           "steps", "loss", "eval accuracy", "step ms", "tokens/s", "tokens/s per GPU", "peak mem per GPU GiB", "device", "jax",
-           "command")
+           "steps", "loss", "eval accuracy", "step ms", "tokens/s", "tokens/s per GPU",
+           "peak mem per GPU GiB", "device", "jax", "command")
 
 
 def _read_json(path: str) -> dict | None:
@@ -88,7 +88,8 @@ def row(run: dict) -> list[str]:
     return [run["name"], run["status"], f"data={data},seq={seq}", args["layers"],
             str(args["seq_len"]), str(args["batch"]), args["dtype"], _backend(cfg),
             str(res.get("step", "-")), _number(res.get("loss"), 4),
-            _number(res.get("eval_accuracy"), 4), _number(res.get("step_ms"), 1), _number(res.get("tokens_per_s"), 0),
+            _number(res.get("eval_accuracy"), 4), _number(res.get("step_ms"), 1),
+            _number(res.get("tokens_per_s"), 0),
             _number(per_device, 0), _number(res.get("peak_mem_gib"), 2),
             f"{n} x {cfg['device_kind']}", cfg["jax_version"], f"`{command}`"]
 

@@ -44,19 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.intra import (_chunk_specs, _col_blocks, _cols, _dots, _f32, _gates, _gram,
-                                _row_scale, _scale_gram, token_dims)
+                                _row_scale, _scale_gram, _sum_dots, token_dims)
 from jaxcp.pallas.state import _params
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
-
-
-def _sum_dots(dot, rows_ref, state_tiles, bv: int):
-    """sum_j rows[:, block j] @ state_tile_j^T over the value blocks j: [C, bk]."""
-    acc = None
-    for j, tile in enumerate(state_tiles):
-        term = dot(_cols(rows_ref, j, bv)[...], tile[...].T)
-        acc = term if acc is None else acc + term
-    return acc
 
 
 def _inter_kernel(q_ref, k_ref, g_ref, attn_ref, h_ref, vn_ref, x_ref, dvn_ref, do_ref,

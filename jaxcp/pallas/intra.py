@@ -125,13 +125,19 @@ def _gates(g) -> _Gates:
     return _Gates(G, jnp.exp(G), jnp.exp(total - G), jnp.exp(total))
 
 
-def _gram(x_ref, y_ref, dots: _Dots, bk: int):
-    """x y^T over the columns of two [C, K] tile refs, in blocks of bk columns."""
+def _sum_dots(dot, rows_ref, tiles, n: int):
+    """sum_j rows[:, block j] @ tiles[j]^T over blocks j of n columns of rows_ref."""
     acc = None
-    for j in range(x_ref.shape[-1] // bk):
-        term = dots.native(_cols(x_ref, j, bk)[...], _cols(y_ref, j, bk)[...].T)
+    for j, tile in enumerate(tiles):
+        term = dot(_cols(rows_ref, j, n)[...], tile[...].T)
         acc = term if acc is None else acc + term
     return acc
+
+
+def _gram(x_ref, y_ref, dots: _Dots, bk: int):
+    """x y^T over the columns of two [C, K] tile refs, in blocks of bk columns."""
+    blocks = [_cols(y_ref, j, bk) for j in range(y_ref.shape[-1] // bk)]
+    return _sum_dots(dots.native, x_ref, blocks, bk)
 
 
 def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int, rk=None):
