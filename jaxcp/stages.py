@@ -8,6 +8,8 @@ intra-chunk terms and input cotangents; KDA's (per-channel gate) stay in jnp.
 token_major (GDN, Pallas only): the token tensors q, k, v, g, beta, o, do and the input
 cotangents are [B, NT, C, HV, ...], a reshape of [B, T, HV, ...], and the kernels read and
 write them in place; otherwise they are in chunk layout [NT, B, HV, C, ...] like the terms.
+GDN's Pallas intra kernel returns row-factored terms (``ChunkTerms``), whose bare q, k are
+the token tensors as given.
 """
 from __future__ import annotations
 
@@ -76,10 +78,9 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
                                             precise=precise, normalize_qk=normalize_qk)
         return xla.chunk_grads(q, k, v, g, beta, scale, *rest)
 
-    kw = dict(interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))
-    state_fwd, state_last, cp_summary = (partial(f, **kw) for f in (
-        pallas_state.state_fwd, pallas_state.state_last, pallas_state.cp_summary))
-    state_output, state_bwd = (partial(f, token_major=token_major, **kw) for f in (
-        pallas_state.state_output, pallas_state.state_bwd))
+    kw = dict(token_major=token_major, interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))
+    state_output, state_fwd, state_last, cp_summary, state_bwd = (partial(f, **kw) for f in (
+        pallas_state.state_output, pallas_state.state_fwd, pallas_state.state_last,
+        pallas_state.cp_summary, pallas_state.state_bwd))
     return Stages(intra, state_output, state_fwd, state_last, cp_summary, state_bwd,
                   chunk_grads)

@@ -85,15 +85,14 @@ def main(argv=None):
     terms = timed("intra_chunk with the inverse (backward)",
                   lambda *xs: intra(*xs, with_inverse=True), *chunks)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
-    kw = dict(dot_dtype=bf16, interpret=args.interpret)
-    output = lambda t: pstate.state_output(t, layout, None, h0, False, token_major=True,
-                                           **kw)[0]
+    kw = dict(dot_dtype=bf16, interpret=args.interpret, token_major=True)
+    output = lambda t: pstate.state_output(t, layout, None, h0, False, **kw)[0]
     timed("state_output (fwd recurrence + output)", output, terms)
     h, vn, _ = timed("state_fwd (stores h, v_new)", lambda t: pstate.state_fwd(
         t, layout, None, h0, **kw), terms)
     do = tokens(r(1, T, H, D))
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
-        t, layout, d, None, h0, token_major=True, **kw), terms, do)
+        t, layout, d, None, h0, **kw), terms, do)
     grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], token_major=True,
                                            precise=False, **pallas)
     timed("chunk_grads", grads, *chunks, terms, h, vn, x, dvn, do)
@@ -119,7 +118,7 @@ def main(argv=None):
             pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
             timed(f"variant: state_output BV={bv}", output, terms)
         pstate._block_cols = block_cols
-        for warps, stages in ((8, 1), (4, 2)) if not args.interpret else ():
+        for warps, stages in ((8, 3), (4, 2)) if not args.interpret else ():
             params = lambda interpret, *_, w=warps, n=stages: {
                 "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
             pintra._params, pgrads._params, pstate._params = params, params, params

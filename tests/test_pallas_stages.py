@@ -20,6 +20,19 @@ def token_major(x):
     return jnp.moveaxis(x, (0, 1, 2, 3), (1, 0, 3, 2))
 
 
+def plain(terms, tm):
+    """Row-factored terms (bare q, k token-major when tm) in the plain chunk-layout form."""
+    if tm:
+        terms = terms._replace(qg=token_major(terms.qg), kd=token_major(terms.kd))
+    return terms.tiles()
+
+
+def assert_terms(got, want, tol):
+    for name in want._fields:
+        if getattr(want, name) is not None:
+            assert_rel(getattr(got, name), getattr(want, name), tol, name)
+
+
 def chunk_terms(kind, cu, T, HV=2, K=16, V=32, C=16, with_init=True, device=0, world=1,
                 gate_scale=1.0):
     q, k, v, g, beta, h0 = make_inputs(kind, 1, T, HV, HV, K, V, n_states=len(cu) - 1)
@@ -121,8 +134,7 @@ def test_intra_chunk_gdn(C, tm, correlated):
     got = pintra.intra_chunk(*tm_args, 0.25, with_inverse=True, token_major=tm, interpret=True)
     assert pintra.intra_chunk(*args, 0.25, interpret=True).inv is None
     assert float(jnp.abs(want.inv).max()) < 2.0
-    for name, a, b in zip(want._fields, got, want):
-        assert_rel(a, b, 1e-5, name)
+    assert_terms(plain(got, tm), want, 1e-5)
 
 
 @pytest.mark.parametrize("C, K, V, tm", [(16, 32, 16, False), (64, 128, 128, False),
@@ -168,8 +180,7 @@ def test_normalize_qk_in_kernels(tm):
     run_args = tuple(map(token_major, args)) if tm else args
     got = pintra.intra_chunk(*run_args, 0.25, with_inverse=True, token_major=tm, interpret=True,
                              normalize_qk=True)
-    for name, a, b in zip(want._fields, got, want):
-        assert_rel(a, b, 1e-5, name)
+    assert_terms(plain(got, tm), want, 1e-5)
 
     rng = np.random.default_rng(6)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -186,6 +197,35 @@ def test_normalize_qk_in_kernels(tm):
         got = pgrads.chunk_grads(*args, 0.25, want, *rest, interpret=True, normalize_qk=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want_grads):
         assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("tm", [False, True])
+def test_state_kernels_read_row_factored_terms(tm):
+    """The state kernels on the intra kernel's row-factored terms (bare q, k, token-major
+    when tm) equal them on the same terms as plain tiles: output, stored states, CP summary
+    and the reverse recurrence."""
+    C, K, V = 16, 32, 16
+    q, k, v, g, beta, h0 = make_inputs("gdn", 1, 64, 2, 2, K, V, n_states=1)
+    layout, tmap = build_layout(1, 64, C, None, 0, 64)
+    ch = lambda x: to_chunks(x, tmap, num_chunks(64, C, None), C)
+    args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
+    factored = pintra.intra_chunk(*(map(token_major, args) if tm else args), 0.25,
+                                  token_major=tm, interpret=True)
+    tiles = plain(factored, tm)
+    do = jnp.asarray(np.random.default_rng(7).standard_normal(tiles.u.shape), jnp.float32)
+    kw = dict(interpret=True)
+    runs = [
+        ("state_output", lambda t, tm: pstate.state_output(t, layout, h0, h0, True,
+                                                           token_major=tm, **kw)),
+        ("state_fwd", lambda t, tm: pstate.state_fwd(t, layout, h0, h0, token_major=tm, **kw)),
+        ("cp_summary", lambda t, tm: pstate.cp_summary(t, layout, h0, token_major=tm, **kw)),
+        ("state_bwd", lambda t, tm: pstate.state_bwd(t, layout, token_major(do) if tm else do,
+                                                     h0, h0, with_d_init=True, token_major=tm,
+                                                     **kw)),
+    ]
+    for name, run in runs:
+        for i, (a, b) in enumerate(zip(run(factored, tm), run(tiles, tm))):
+            assert_rel(a, b, 1e-5, f"{name} output {i}")
 
 
 def test_token_major_only_for_pallas_gdn():

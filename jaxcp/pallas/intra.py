@@ -5,15 +5,20 @@ Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1), same layout:
 
 Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
-    A     = strict_lower(beta_i (k_i . k_j) E_ij)
-    T     = (I + A)^-1, merging diagonal blocks of size 1, 2, 4, ..., C/2 (_unit_lower_inverse)
-    w     = T X,  X = beta exp(G) k;      u = T Y,  Y = beta v
-    qg    = scale exp(G) q,   kd = exp(G_C - G) k,   decay = exp(G_C)
-    attn  = lower(scale (q_i . k_j) E_ij)
+    A      = strict_lower(beta_i (k_i . k_j) E_ij)
+    T      = (I + A)^-1, merging diagonal blocks of size 1, 2, 4, ..., C/2
+             (_unit_lower_inverse)
+    w      = (T diag(beta exp(G))) k;      u = (T diag(beta)) v
+    attn   = lower(scale (q_i . k_j) E_ij),   decay = exp(G_C)
+    q_rows = scale exp(G),   k_rows = exp(G_C - G)
+
+The terms come in the row-factored form of ``ChunkTerms``: qg = diag(q_rows) q and
+kd = diag(k_rows) k are left to the state kernels, which scale rows of their products, so
+only w, u, attn (and the inverse) are written per chunk.
 
 With normalize_qk the kernel reads raw q, k and computes the terms of their L2-normalised
-rows: the row factors 1 / ||q_i||, 1 / ||k_i|| join the row scales above (and scale the
-grams), so the normalised q and k are never written.
+rows: the row factors 1 / ||q_i||, 1 / ||k_i|| join the row scales above (and scale
+the grams and the row factors), so the normalised q and k are never written.
 
 The inverse is 2 (log2(C) - 1) tensor-core dots (forward substitution would be C dependent
 row updates). K and V are walked in blocks of 64 columns so that no [C, K] or [C, V] tile
@@ -37,9 +42,11 @@ from jaxcp.xla.intra import ChunkTerms
 
 class _Dots(NamedTuple):
     """a @ b with fp32 accumulation: `native` for tiles as loaded (bf16 MMA for bf16
-    inputs), `plain` for products with fp32 operands (the inverse's chain included)."""
+    inputs), `plain` for products with fp32 operands (the inverse's chain included),
+    `split` for an fp32 [C, C] a times a tile b as loaded."""
     native: callable
     plain: callable
+    split: callable
 
 
 def _dots(precise: bool, interpret: bool, *, rounded: bool = False) -> _Dots:
@@ -53,14 +60,22 @@ def _dots(precise: bool, interpret: bool, *, rounded: bool = False) -> _Dots:
         return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     if interpret or precise:
         exact = dot(fp32_precision(interpret))
-        return _Dots(exact, exact)
+        return _Dots(exact, exact, lambda a, b: exact(a, b.astype(jnp.float32)))
     tf32 = dot(None)
-    return _Dots(tf32, _bf16_dot if rounded else tf32)
+    return _Dots(tf32, _bf16_dot if rounded else tf32, _split_dot)
 
 
 def _bf16_dot(a, b):
     return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32)
+
+
+def _split_dot(a, b):
+    """a @ b for fp32 a and bf16 b as two bf16 products, a = hi + lo with hi = bf16(a):
+    a keeps ~2^-16 of relative precision (single TF32: 2^-11) and b is used as loaded."""
+    hi = a.astype(jnp.bfloat16)
+    lo = (a - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return _bf16_dot(hi, b) + _bf16_dot(lo, b)
 
 
 def _unit_lower_inverse(a, dot):
@@ -173,27 +188,27 @@ def _f32(ref):
     return ref[...].astype(jnp.float32)
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kd_ref, attn_ref,
-                  *inv_ref, scale, dots, normalize):
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, q_rows_ref,
+                  k_rows_ref, *inv_ref, scale, dots, normalize):
     g, beta = _f32(g_ref), _f32(beta_ref)
     gates = _gates(g)
     bk, bv = _col_blocks(k_ref.shape[-1]), _col_blocks(v_ref.shape[-1])
     rq, rk = _row_scale(q_ref, bk, normalize), _row_scale(k_ref, bk, normalize)
     attn = _scale_gram(_gram(q_ref, k_ref, dots, bk), rq, rk) * gates.causal() * scale
     attn_ref[...] = attn.astype(attn_ref.dtype)
+    q_rows_ref[...] = _times(gates.eg * scale, rq)
+    k_rows_ref[...] = _times(gates.tail, rk)
     inv = _inverse(k_ref, beta, gates, dots, bk, rk)
     if inv_ref:
         inv_ref[0][...] = inv.astype(inv_ref[0].dtype)
-    for j in range(k_ref.shape[-1] // bk):
-        k = _f32(_cols(k_ref, j, bk))
-        w = dots.plain(inv, k * _times(beta * gates.eg, rk)[:, None])
-        _cols(w_ref, j, bk)[...] = w.astype(w_ref.dtype)
-        qg = _f32(_cols(q_ref, j, bk)) * _times(gates.eg * scale, rq)[:, None]
-        _cols(qg_ref, j, bk)[...] = qg.astype(qg_ref.dtype)
-        _cols(kd_ref, j, bk)[...] = (k * _times(gates.tail, rk)[:, None]).astype(kd_ref.dtype)
-    for j in range(v_ref.shape[-1] // bv):
-        u = dots.plain(inv, _f32(_cols(v_ref, j, bv)) * beta[:, None])
-        _cols(u_ref, j, bv)[...] = u.astype(u_ref.dtype)
+    _store_products(w_ref, inv * _times(beta * gates.eg, rk)[None, :], k_ref, dots, bk)
+    _store_products(u_ref, inv * beta[None, :], v_ref, dots, bv)
+
+
+def _store_products(out_ref, a, x_ref, dots: _Dots, n: int):
+    """out = a @ x for an fp32 [C, C] a and [C, d] tile refs, in blocks of n columns."""
+    for j in range(x_ref.shape[-1] // n):
+        _cols(out_ref, j, n)[...] = dots.split(a, _cols(x_ref, j, n)[...]).astype(out_ref.dtype)
 
 
 class _ChunkSpecs(NamedTuple):
@@ -229,26 +244,29 @@ def token_dims(x, token_major: bool) -> tuple[int, int, int, int]:
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
                 token_major: bool = False, interpret: bool = False, precise: bool = True,
                 out_dtype=jnp.float32, normalize_qk: bool = False) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]). q, k, v, g, beta in chunk
-    layout or, with token_major, [B, NT, C, HV, ...]; the terms are in chunk layout. precise:
-    fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
-    out_dtype is the dtype of w, u, qg, kd, attn and inv (decay stays float32).
+    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]), in the row-factored form of
+    ``ChunkTerms`` (qg, kd are q, k as given). q, k, v, g, beta in chunk layout or, with
+    token_major, [B, NT, C, HV, ...]; w, u, attn, inv in chunk layout. precise: fp32
+    inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
+    out_dtype is the dtype of w, u, attn and inv (decay and the row factors stay float32).
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows)."""
     NT, B, HV, C = token_dims(k, token_major)
     K, V = k.shape[-1], v.shape[-1]
     sp = _chunk_specs(C, token_major)
     args, mat = unify([q, k, v, g[..., 0], beta])
-    out = lambda *s: jax.ShapeDtypeStruct((NT, B, HV) + s, out_dtype, manual_axis_type=mat)
-    shapes = [(C, K), (C, V), (C, K), (C, K), (C, C)] + [(C, C)] * with_inverse
-    w, u, qg, kd, attn, *inv = pl.pallas_call(
+    out = lambda *s, dtype=out_dtype: jax.ShapeDtypeStruct((NT, B, HV) + s, dtype,
+                                                           manual_axis_type=mat)
+    tiles = [(C, K), (C, V), (C, C)]
+    w, u, attn, q_rows, k_rows, *inv = pl.pallas_call(
         partial(_intra_kernel, scale=scale, dots=_dots(precise, interpret),
                 normalize=normalize_qk), grid=(NT, B, HV),
         in_specs=[sp.token_tile(K), sp.token_tile(K), sp.token_tile(V), sp.token_vec,
                   sp.token_vec],
-        out_specs=[sp.tile(s[1]) for s in shapes],
-        out_shape=[out(*s) for s in shapes],
+        out_specs=[sp.tile(d) for _, d in tiles] + [sp.vec] * 2 + [sp.tile(C)] * with_inverse,
+        out_shape=([out(*s) for s in tiles] + [out(C, dtype=jnp.float32)] * 2
+                   + [out(C, C)] * with_inverse),
         **_params(interpret, 0))(*args)
     g_sum = jnp.sum(g.astype(jnp.float32), axis=2 if token_major else -2)
     decay = jnp.exp(jnp.swapaxes(g_sum, 0, 1) if token_major else g_sum)
-    return ChunkTerms(w=w, u=u, qg=qg, kd=kd, decay=decay, attn=attn,
-                      inv=inv[0] if inv else None)
+    return ChunkTerms(w=w, u=u, qg=args[0], kd=args[1], decay=decay, attn=attn,
+                      inv=inv[0] if inv else None, q_rows=q_rows, k_rows=k_rows)

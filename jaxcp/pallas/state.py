@@ -3,7 +3,8 @@
 Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis 0, then
 batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
 [NT, B, HV, Kg]; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
-``state_output``'s o and ``state_bwd``'s do may be token-major, [B, NT, C, HV, V].
+with token_major, ``state_output``'s o, ``state_bwd``'s do and the bare q, k of row-factored
+terms are token-major, [B, NT, C, HV, ...].
 
 One program per (batch, value head, block of BV state columns) runs a fori_loop over the
 chunks with its [K, BV] slice of the state in fp32 registers:
@@ -13,6 +14,10 @@ chunks with its [K, BV] slice of the state in fp32 registers:
     backward  X   = carry + [ends_c] dF[seq_c];  dvn = attn_c^T do_c + kd_c X
               dh  = decay_c * X + qg_c^T do_c - w_c^T dvn;  carry = 0 if starts_c else dh
               d_init[seq_c] = dh if starts_c
+
+Row-factored terms (``ChunkTerms``: qg = diag(q_rows) q, kd = diag(k_rows) k) are used as
+kd^T v_new = k^T (diag(k_rows) v_new), qg S = diag(q_rows) (q S), kd X = diag(k_rows) (k X)
+and qg^T do = q^T (diag(q_rows) do): the row factors scale [C, BV] tiles.
 
 Columns of the state are independent in both directions, so the BV blocks never talk.
 The CP summary runs the forward twice: from zero with u (S_ext), and from the identity with
@@ -40,11 +45,11 @@ def _block_cols(n: int, k: int) -> int:
 
 
 def _params(interpret: bool, tile_bytes: int):
-    """Two pipeline stages unless the per-chunk tiles would not fit twice in shared memory
-    (H100: 227 KiB per block)."""
+    """Up to three pipeline stages, as many as the per-chunk tiles fit in 192 KiB of shared
+    memory (H100: 227 KiB per block, the rest for the products' operands)."""
     if interpret:
         return {"interpret": True}
-    stages = 2 if tile_bytes <= 64 * 1024 else 1
+    stages = max(1, min(3, (192 * 1024) // max(tile_bytes, 1)))
     return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=stages)}
 
 
@@ -69,6 +74,11 @@ def _tiles(dtype, *xs):
     return [x.astype(dtype) for x in xs]
 
 
+def _scale_rows(x, rows_ref, i):
+    """diag(rows_c) x for chunk i, or x when the terms are not row-factored (rows_ref None)."""
+    return x if rows_ref is None else rows_ref[i][:, None] * x
+
+
 def _decay(dec_ref, i, gdn: bool):
     """exp(G_C) of chunk i as a column to scale rows of the state: [1, 1] or [K, 1]."""
     if gdn:
@@ -79,6 +89,8 @@ def _decay(dec_ref, i, gdn: bool):
 class _Specs(NamedTuple):
     """BlockSpecs of the grid (batch, value head, block of BV state columns)."""
     chunk_k: pl.BlockSpec      # [NT, C, K] tiles of one head
+    token_k: pl.BlockSpec      # [NT, C, K] bare q, k: chunk_k, or from [B, NT, C, HV, K]
+    rows: pl.BlockSpec         # [NT, C] row factors
     chunk_v: pl.BlockSpec      # [NT, C, BV]
     token_v: pl.BlockSpec      # [NT, C, BV] of o or do: chunk_v, or from [B, NT, C, HV, V]
     chunk_cc: pl.BlockSpec     # [NT, C, C]
@@ -91,8 +103,12 @@ class _Specs(NamedTuple):
 
 def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _Specs:
     chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
+    chunk_k = pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0))
     return _Specs(
-        chunk_k=pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0)),
+        chunk_k=chunk_k,
+        token_k=(pl.BlockSpec((None, NT, C, None, K), lambda b, h, j: (b, 0, 0, h, 0))
+                 if token_major else chunk_k),
+        rows=pl.BlockSpec((NT, None, None, C), lambda b, h, j: (0, b, h, 0)),
         chunk_v=chunk_v,
         token_v=(pl.BlockSpec((None, NT, C, None, BV), lambda b, h, j: (b, 0, 0, h, j))
                  if token_major else chunk_v),
@@ -142,12 +158,15 @@ def _per_seq_output(sp: _Specs, in_specs: list, args: list, n_seqs: int, cols: i
     return aliases
 
 
-def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_finals, interpret):
+def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output, with_finals,
+                interpret):
     dot = partial(_dot, interpret=interpret)
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
+    k_rows_ref = next(it) if factored else None
     u_ref = next(it) if has_u else None
     qg_ref, attn_ref, ends_ref = (next(it) for _ in range(3)) if with_output else (None,) * 3
+    q_rows_ref = next(it) if factored and with_output else None
     init_ref = next(it) if has_init else None
     h0_ref = next(it)
     if with_finals:
@@ -170,8 +189,10 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, store_h, with_output, with_fina
         if store_h:
             vn_ref[i] = v_new.astype(vn_ref.dtype)
         if with_output:
-            o_ref[i] = (dot(qg_ref[i], state) + dot(attn_ref[i], v_new)).astype(o_ref.dtype)
-        out = _decay(dec_ref, i, gdn) * state + dot(kd_ref[i].T, v_new)
+            o = _scale_rows(dot(qg_ref[i], state), q_rows_ref, i) + dot(attn_ref[i], v_new)
+            o_ref[i] = o.astype(o_ref.dtype)
+        out = (_decay(dec_ref, i, gdn) * state
+               + dot(kd_ref[i].T, _scale_rows(v_new, k_rows_ref, i)))
         if with_finals:
             @pl.when(ends_ref[i] != 0)
             def _():
@@ -191,16 +212,24 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     cols = h0.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols, token_major)
     has_init = init is not None
+    factored = terms.k_rows is not None
     grid = (B, HV, cols // BV)
-    in_specs = [sp.chunk_k, sp.chunk_k, sp.decay, sp.per_chunk, sp.per_chunk]
+    in_specs = [sp.chunk_k, sp.token_k if factored else sp.chunk_k, sp.decay, sp.per_chunk,
+                sp.per_chunk]
     args = [*_tiles(dot_dtype, terms.w, terms.kd), decay, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_seq]
+    if factored:
+        in_specs.append(sp.rows)
+        args.append(terms.k_rows)
     if u_cols:
         in_specs.append(sp.chunk_v)
         args += _tiles(dot_dtype, terms.u)
     if with_output:
-        in_specs += [sp.chunk_k, sp.chunk_cc, sp.per_chunk]
+        in_specs += [sp.token_k if factored else sp.chunk_k, sp.chunk_cc, sp.per_chunk]
         args += [*_tiles(dot_dtype, terms.qg, terms.attn), layout.chunk_ends.astype(jnp.int32)]
+        if factored:
+            in_specs.append(sp.rows)
+            args.append(terms.q_rows)
     in_specs, args, struct = _with_states(sp, in_specs, args, init, h0)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = {}
@@ -222,8 +251,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     out_specs.append(sp.state)
     out_shape.append(struct(B, HV, K, cols))
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
-                     store_h=store_h, with_output=with_output, with_finals=with_finals,
-                     interpret=interpret)
+                     factored=factored, store_h=store_h, with_output=with_output,
+                     with_finals=with_finals, interpret=interpret)
     tile_bytes = C * (2 * K + BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, input_output_aliases=aliases,
@@ -243,36 +272,40 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, token_major=Fals
     return out[0], (out[1] if with_finals else None)
 
 
-def state_fwd(terms, layout, init, h0, *, interpret=False, dot_dtype=jnp.float32):
+def state_fwd(terms, layout, init, h0, *, token_major=False, interpret=False,
+              dot_dtype=jnp.float32):
     """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last);
     h and v_new in dot_dtype (they feed only the backward's products)."""
     return tuple(_run_forward(terms, layout, init, h0, u_cols=True, store_h=True,
-                              interpret=interpret, dot_dtype=dot_dtype))
+                              interpret=interpret, dot_dtype=dot_dtype, token_major=token_major))
 
 
-def state_last(terms, layout, init, h0, *, interpret=False, dot_dtype=jnp.float32):
+def state_last(terms, layout, init, h0, *, token_major=False, interpret=False,
+               dot_dtype=jnp.float32):
     """Twin of xla.state.state_last: the state after the last chunk."""
     return _run_forward(terms, layout, init, h0, u_cols=True, store_h=False,
-                        interpret=interpret, dot_dtype=dot_dtype)[0]
+                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major)[0]
 
 
-def cp_summary(terms, layout, init, *, interpret=False, dot_dtype=jnp.float32):
+def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
+               dot_dtype=jnp.float32):
     """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K])."""
     _, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
     ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
-                     interpret=interpret, dot_dtype=dot_dtype)
+                     token_major=token_major, interpret=interpret, dot_dtype=dot_dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
-                     interpret=interpret, dot_dtype=jnp.float32)[0]
+                     token_major=token_major, interpret=interpret, dot_dtype=jnp.float32)[0]
     return ext, m
 
 
-def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init, interpret):
+def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, interpret):
     dot = partial(_dot, interpret=interpret)
     it = iter(refs)
     w_ref, kd_ref, qg_ref, attn_ref, dec_ref, do_ref, starts_ref, ends_ref, seq_ref = (
         next(it) for _ in range(9))
+    q_rows_ref, k_rows_ref = (next(it), next(it)) if factored else (None, None)
     final_ref = next(it) if has_final else None
     dlast_ref = next(it)
     if with_d_init:
@@ -290,8 +323,8 @@ def _bwd_kernel(*refs, nt, gdn, has_final, entry_only, with_d_init, interpret):
         if has_final:
             x = x + jnp.where(ends_ref[i] != 0, final_ref[seq_ref[i]], 0.0)
         do = do_ref[i]
-        dvn = dot(attn_ref[i].T, do) + dot(kd_ref[i], x)
-        dh = (_decay(dec_ref, i, gdn) * x + dot(qg_ref[i].T, do)
+        dvn = dot(attn_ref[i].T, do) + _scale_rows(dot(kd_ref[i], x), k_rows_ref, i)
+        dh = (_decay(dec_ref, i, gdn) * x + dot(qg_ref[i].T, _scale_rows(do, q_rows_ref, i))
               - dot(w_ref[i].T, dvn))
         start = starts_ref[i] != 0
         if not entry_only:
@@ -314,13 +347,18 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
     layout or, with token_major, [B, NT, C, HV, V]."""
     V = do.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V, token_major)
+    factored = terms.k_rows is not None
     has_final = d_final is not None
     with_d_init = with_d_init and not entry_only
-    in_specs = [sp.chunk_k, sp.chunk_k, sp.chunk_k, sp.chunk_cc, sp.decay, sp.token_v,
+    qk = sp.token_k if factored else sp.chunk_k
+    in_specs = [sp.chunk_k, qk, qk, sp.chunk_cc, sp.decay, sp.token_v,
                 sp.per_chunk, sp.per_chunk, sp.per_chunk]
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
     args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_ends.astype(jnp.int32), layout.chunk_seq]
+    if factored:
+        in_specs += [sp.rows, sp.rows]
+        args += [terms.q_rows, terms.k_rows]
     in_specs, args, struct = _with_states(sp, in_specs, args, d_final, d_last)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = _per_seq_output(sp, in_specs, args, n_seqs, V, 2) if with_d_init else {}
@@ -332,8 +370,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
         out_shape = ([struct(NT, B, HV, K, V, dtype=dot_dtype),
                       struct(NT, B, HV, C, V, dtype=dot_dtype)]
                      + [struct(n_seqs, HV, K, V)] * with_d_init + [struct(B, HV, K, V)])
-    kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, has_final=has_final, entry_only=entry_only,
-                     with_d_init=with_d_init, interpret=interpret)
+    kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, factored=factored, has_final=has_final,
+                     entry_only=entry_only, with_d_init=with_d_init, interpret=interpret)
     tile_bytes = C * (3 * K + C + BV) * jnp.dtype(dot_dtype).itemsize
     out = pl.pallas_call(kernel, grid=(B, HV, V // BV), in_specs=in_specs, out_specs=out_specs,
                          out_shape=out_shape, input_output_aliases=aliases,

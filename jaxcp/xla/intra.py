@@ -38,6 +38,12 @@ class ChunkTerms(NamedTuple):
     [..., C, K]; decay = exp(G_C) [..., Kg]; attn = lower(scale q_i . k_j exp(G_i - G_j))
     [..., C, C]; inv = (I + A)^-1 [..., C, C], only when asked for (the backward's input
     cotangents read it instead of inverting again), else None.
+
+    Row-factored form (the Pallas GDN intra kernel): q_rows, k_rows [..., C] are given and
+    qg, kd hold the bare q and k, in the layout the token tensors have (token-major [B, NT,
+    C, HV, K] when the stages run token-major); the terms are q_rows[..., None] * qg and
+    k_rows[..., None] * kd. The state kernels scale rows of their products instead, so the
+    scaled [C, K] tiles are never written. ``tiles`` gives the plain form.
     """
     w: jax.Array
     u: jax.Array
@@ -46,6 +52,16 @@ class ChunkTerms(NamedTuple):
     decay: jax.Array
     attn: jax.Array
     inv: jax.Array | None = None
+    q_rows: jax.Array | None = None
+    k_rows: jax.Array | None = None
+
+    def tiles(self) -> "ChunkTerms":
+        """The plain form: qg and kd as scaled tiles (chunk layout only)."""
+        if self.q_rows is None:
+            return self
+        return self._replace(qg=self.q_rows[..., None] * self.qg.astype(jnp.float32),
+                             kd=self.k_rows[..., None] * self.kd.astype(jnp.float32),
+                             q_rows=None, k_rows=None)
 
 
 def chunk_local_cumsum(g: jax.Array) -> jax.Array:
