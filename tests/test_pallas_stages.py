@@ -236,3 +236,17 @@ def test_token_major_only_for_pallas_gdn():
     tm = lambda x: x.reshape(1, 1, 64, *x.shape[2:])
     with pytest.raises(ValueError, match="token_major"):
         stages_for("interpret", "float32", True).intra(*map(tm, (q, k, v, g, beta)), 0.25)
+
+
+def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
+    """bf16 tiles (bf16 inputs): the transition M still meets them as fp32 (two bf16 parts),
+    within fp32 tolerance of the XLA twin on the same bf16 values."""
+    terms, layout, init = chunk_terms("gdn", [0, 210], 70, device=1, world=3, gate_scale=0.02)
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    rounded = terms._replace(w=bf16(terms.w), kd=bf16(terms.kd), u=bf16(terms.u))
+    exact = rounded._replace(w=rounded.w.astype(jnp.float32), kd=rounded.kd.astype(jnp.float32),
+                             u=rounded.u.astype(jnp.float32))
+    m = pstate.cp_summary(rounded, layout, init, interpret=True, dot_dtype=jnp.bfloat16)[1]
+    want = xla.cp_summary(exact, layout, init)[1]
+    assert float(jnp.abs(want - jnp.eye(16)).max()) > 0.01
+    assert_rel(m, want, 1e-4, "M")

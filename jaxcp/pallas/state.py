@@ -60,13 +60,23 @@ def fp32_precision(interpret: bool):
     return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _dot(a, b, interpret: bool):
-    """a @ b with fp32 accumulation; an fp32 state meeting bf16 tiles is rounded to bf16.
-    fp32 x fp32 (the fp32 path and the CP transition M) runs at ``fp32_precision``."""
-    dtype = a.dtype if a.dtype == b.dtype else jnp.bfloat16
-    precision = fp32_precision(interpret) if dtype == jnp.float32 else None
-    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32,
-                   precision=precision)
+def _dot(a, b, interpret: bool, split: bool = False):
+    """a @ b with fp32 accumulation. fp32 x fp32 (the fp32 path) runs at ``fp32_precision``.
+    An fp32 operand meeting a bf16 tile is rounded to bf16, or with split taken as two bf16
+    parts x = hi + lo (two bf16 products, x kept to ~2^-16 relative; 3xTF32 would cost
+    three TF32 products, each at half the bf16 rate)."""
+    if a.dtype == b.dtype:
+        precision = fp32_precision(interpret) if a.dtype == jnp.float32 else None
+        return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    mm = partial(jnp.dot, preferred_element_type=jnp.float32)
+    if not split:
+        return mm(bf16(a), bf16(b))
+    if a.dtype == jnp.float32:
+        hi = bf16(a)
+        return mm(hi, b) + mm(bf16(a - hi.astype(jnp.float32)), b)
+    hi = bf16(b)
+    return mm(a, hi) + mm(a, bf16(b - hi.astype(jnp.float32)))
 
 
 def _tiles(dtype, *xs):
@@ -159,8 +169,8 @@ def _per_seq_output(sp: _Specs, in_specs: list, args: list, n_seqs: int, cols: i
 
 
 def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output, with_finals,
-                interpret):
-    dot = partial(_dot, interpret=interpret)
+                split_state, interpret):
+    dot = partial(_dot, interpret=interpret, split=split_state)
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
     k_rows_ref = next(it) if factored else None
@@ -204,10 +214,11 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
 
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bool, store_h: bool,
                  interpret: bool, dot_dtype, with_output: bool = False, with_finals: bool = False,
-                 token_major: bool = False):
+                 token_major: bool = False, split_state: bool = False):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, NT, C, HV, V]),
-    with_finals the final states. Returns the outputs in the order (h, v_new), o, finals,
+    with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
+    bf16 parts each (``_dot``). Returns the outputs in the order (h, v_new), o, finals,
     last state."""
     cols = h0.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols, token_major)
@@ -252,7 +263,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     out_shape.append(struct(B, HV, K, cols))
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
                      factored=factored, store_h=store_h, with_output=with_output,
-                     with_finals=with_finals, interpret=interpret)
+                     with_finals=with_finals, split_state=split_state, interpret=interpret)
     tile_bytes = C * (2 * K + BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, input_output_aliases=aliases,
@@ -289,14 +300,17 @@ def state_last(terms, layout, init, h0, *, token_major=False, interpret=False,
 
 def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
                dot_dtype=jnp.float32):
-    """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K])."""
+    """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). M, which
+    chains the states of all devices before, stays fp32-accurate: the bf16 tiles meet it
+    (and v_new) as two bf16 parts (``_dot``), fp32 tiles at ``fp32_precision``."""
     _, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
     ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
-                     token_major=token_major, interpret=interpret, dot_dtype=jnp.float32)[0]
+                     token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
+                     split_state=True)[0]
     return ext, m
 
 
