@@ -1,4 +1,4 @@
-"""Error of the CP transition M's chain under 3xTF32 products, emulated on the CPU.
+"""Error of the CP transition M's chain under the kernels' products, emulated on the CPU.
 
     python scripts/m_chain_precision.py --chunks 16 --trials 20
 
@@ -7,8 +7,10 @@ M [K, K] from the identity). For random GDN chunks (C = 64, K = 128, L2-normalis
 sigmoid, mild gates g = 0.01 logsigmoid(normal)), with w and kd rounded to bf16 as the kernels
 store them, it runs M <- decay M - kd^T (w M) with every product as
 
-    ieee     float32 products (numpy), what the state kernels ran before
-    tf32x3   3xTF32 products (``inverse_precision.dot_tf32x3``), what they run now
+    ieee     float32 products (numpy)
+    tf32x3   3xTF32 products (``inverse_precision.dot_tf32x3``), what the kernels ran before
+    bf16x2   the fp32 operand (M, then w M) split into two bf16 parts hi + lo, each
+             multiplied by the bf16 tile exactly (``state._dot(split=True)``), what they run now
 
 and compares with the same chain in float64. Prints the median and max relative error of M
 over the trials, and |M| / |I|. Each chunk projects out most of its keys' directions, so M
@@ -21,7 +23,13 @@ import argparse
 
 import numpy as np
 
-from inverse_precision import bf16, dot_tf32x3
+from inverse_precision import _f64_dot, bf16, dot_tf32x3
+
+
+def dot_bf16x2(tile, x):
+    """tile @ x for a bf16-valued tile and an fp32 x taken as bf16 hi + lo, fp32 result."""
+    hi = bf16(x)
+    return (_f64_dot(tile, hi) + _f64_dot(tile, bf16(x - hi))).astype(np.float32)
 
 
 def random_terms(rng, C: int, K: int):
@@ -53,13 +61,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    errors, sizes = {"ieee": [], "tf32x3": []}, []
+    errors, sizes = {"ieee": [], "tf32x3": [], "bf16x2": []}, []
     for _ in range(args.trials):
         terms = [random_terms(rng, args.C, args.K) for _ in range(args.chunks)]
         exact = chain(terms, np.matmul, np.float64)
         sizes.append(np.linalg.norm(exact) / np.sqrt(args.K))
         errors["ieee"].append(rel(chain(terms, np.matmul, np.float32), exact))
         errors["tf32x3"].append(rel(chain(terms, dot_tf32x3, np.float32), exact))
+        errors["bf16x2"].append(rel(chain(terms, dot_bf16x2, np.float32), exact))
     print(f"| M over {args.chunks} chunks, C = {args.C}, K = {args.K}, {args.trials} trials "
           f"(median |M| / |I| = {np.median(sizes):.1e}) | median | max |")
     print("|---|---|---|")
