@@ -80,13 +80,22 @@ def test_state_output(kind, with_init):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_cp_summary(kind):
-    # the middle device of three, inside one sequence: a non-zero transition M
-    terms, layout, init = chunk_terms(kind, [0, 210], 70, device=1, world=3, gate_scale=0.02)
-    assert float(jnp.abs(pstate.cp_summary(terms, layout, init, interpret=True)[1]).max()) > 0.01
-    for a, b, name in zip(pstate.cp_summary(terms, layout, init, interpret=True),
-                          xla.cp_summary(terms, layout, init), ("S_ext", "M")):
-        assert_rel(a, b, 1e-5, name)
+@pytest.mark.parametrize("cu", [[0, 210], [0, 90, 100, 210]])
+def test_cp_summary(kind, cu):
+    """The middle device of three. Inside one sequence: a non-zero transition M. With
+    sequences starting at tokens 90 and 100 of this device's [70, 140): M is zero, and S_ext
+    comes from the chunks after the last start alone (the kernels skip the others)."""
+    terms, layout, init = chunk_terms(kind, cu, 70, device=1, world=3, gate_scale=0.02)
+    got = pstate.cp_summary(terms, layout, init, interpret=True)
+    want = xla.cp_summary(terms, layout, init)
+    assert float(jnp.abs(got[0]).max()) > 0.01
+    assert_rel(got[0], want[0], 1e-5, "S_ext")
+    if len(cu) == 2:
+        assert float(jnp.abs(got[1]).max()) > 0.01
+        assert_rel(got[1], want[1], 1e-5, "M")
+    else:
+        assert float(jnp.abs(want[1]).max()) == 0.0
+        assert float(jnp.abs(got[1]).max()) == 0.0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -22,6 +22,13 @@ and qg^T do = q^T (diag(q_rows) do): the row factors scale [C, BV] tiles.
 Columns of the state are independent in both directions, so the BV blocks never talk.
 The CP summary runs the forward twice: from zero with u (S_ext), and from the identity with
 u = 0 (the transition M, K columns).
+
+A sequence start resets the state, so what leaves the last chunk depends only on the chunks
+from the last start on, and what enters chunk 0 (backward) only on the chunks before the
+first start after it. The calls that return only that one state (``state_last``,
+``cp_summary``, ``state_bwd(entry_only=True)``) loop over those chunks alone (``_LoopSpan``):
+with packed sequences, a fraction of the device's chunks; M is zero, and not run, on a device
+where any sequence starts.
 """
 from __future__ import annotations
 
@@ -89,6 +96,47 @@ def _scale_rows(x, rows_ref, i):
     return x if rows_ref is None else rows_ref[i][:, None] * x
 
 
+class _LoopSpan(NamedTuple):
+    """Per batch row [B] int32: the first loop step (forward: chunk; backward: nt - 1 - chunk)
+    whose chunk reaches the one state returned. Steps before it are skipped, and the loop
+    starts from h0 (d_last) when the span is the whole loop, else from zero (the first chunk
+    run is then a reset, or M is zero)."""
+    first: jax.Array
+
+    @staticmethod
+    def after_last_start(layout: ChunkLayout) -> "_LoopSpan":
+        """The state after the last chunk: chunks from the last sequence start (0 if none)."""
+        starts = layout.chunk_starts != 0
+        chunk = lax.broadcasted_iota(jnp.int32, starts.shape, 0)
+        return _LoopSpan(jnp.max(jnp.where(starts, chunk, 0), axis=0))
+
+    @staticmethod
+    def transition(layout: ChunkLayout) -> "_LoopSpan":
+        """The transition M: every chunk if no sequence starts on the device, else none (M = 0:
+        a start drops the state that entered)."""
+        NT = layout.chunk_starts.shape[0]
+        return _LoopSpan(jnp.where(jnp.any(layout.chunk_starts != 0, axis=0), NT, 0)
+                         .astype(jnp.int32))
+
+    @staticmethod
+    def before_first_start(layout: ChunkLayout) -> "_LoopSpan":
+        """The cotangent entering chunk 0 (reverse loop): chunks before the first start after
+        chunk 0 (all if none)."""
+        NT = layout.chunk_starts.shape[0]
+        starts = layout.chunk_starts[1:] != 0
+        chunk = lax.broadcasted_iota(jnp.int32, starts.shape, 0) + 1
+        return _LoopSpan(NT - jnp.min(jnp.where(starts, chunk, NT), axis=0, initial=NT))
+
+
+def _span_loop(span_ref, nt: int, body, init):
+    """fori_loop(first, nt, body, init or zero) over the span of a batch row, or over all nt
+    steps from init when span_ref is None."""
+    if span_ref is None:
+        return lax.fori_loop(0, nt, body, init)
+    first = span_ref[0]
+    return lax.fori_loop(first, nt, body, jnp.where(first == 0, init, 0.0))
+
+
 def _decay(dec_ref, i, gdn: bool):
     """exp(G_C) of chunk i as a column to scale rows of the state: [1, 1] or [K, 1]."""
     if gdn:
@@ -109,6 +157,7 @@ class _Specs(NamedTuple):
     decay: pl.BlockSpec        # [NT] (GDN) or [NT, K]
     state: pl.BlockSpec        # [K, BV]
     seq_state: Callable        # n_seqs -> [N, K, BV] (initial states, final-state cotangents)
+    span: pl.BlockSpec         # [1] of a [B] _LoopSpan
 
 
 def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _Specs:
@@ -129,6 +178,7 @@ def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _S
                pl.BlockSpec((NT, None, None, K), lambda b, h, j: (0, b, h, 0))),
         state=pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)),
         seq_state=lambda n: pl.BlockSpec((n, None, K, BV), lambda b, h, j: (0, h, 0, j)),
+        span=pl.BlockSpec((1,), lambda b, h, j: (b,)),
     )
 
 
@@ -142,13 +192,10 @@ def _setup(terms: ChunkTerms, cols: int, token_major: bool = False):
     return (NT, B, HV, C, K), BV, gdn, decay, _specs(NT, C, K, BV, gdn, token_major)
 
 
-def _with_states(sp: _Specs, in_specs: list, args: list, seq_states, carry):
-    """Append the optional per-sequence states [N, HV, K, cols] and the carried state
-    [B, HV, K, cols], and unify their vma types. Returns (in_specs, args, out) where
-    out(*shape, dtype=float32) is the ShapeDtypeStruct of an output."""
-    if seq_states is not None:
-        in_specs.append(sp.seq_state(seq_states.shape[0]))
-        args.append(seq_states)
+def _with_carry(sp: _Specs, in_specs: list, args: list, carry):
+    """Append the carried state [B, HV, K, cols] and unify the vma types of all operands.
+    Returns (in_specs, args, out) where out(*shape, dtype=float32) is the ShapeDtypeStruct
+    of an output."""
     in_specs.append(sp.state)
     args.append(carry)
     args, mat = unify(args)
@@ -169,7 +216,7 @@ def _per_seq_output(sp: _Specs, in_specs: list, args: list, n_seqs: int, cols: i
 
 
 def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output, with_finals,
-                split_state, interpret):
+                split_state, spanned, interpret):
     dot = partial(_dot, interpret=interpret, split=split_state)
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
@@ -178,6 +225,7 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
     qg_ref, attn_ref, ends_ref = (next(it) for _ in range(3)) if with_output else (None,) * 3
     q_rows_ref = next(it) if factored and with_output else None
     init_ref = next(it) if has_init else None
+    span_ref = next(it) if spanned else None
     h0_ref = next(it)
     if with_finals:
         next(it)                                           # zeros, aliased to finals_ref
@@ -209,17 +257,18 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
                 finals_ref[seq_ref[i]] = out
         return out
 
-    last_ref[...] = lax.fori_loop(0, nt, body, h0_ref[...].astype(jnp.float32))
+    last_ref[...] = _span_loop(span_ref, nt, body, h0_ref[...].astype(jnp.float32))
 
 
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bool, store_h: bool,
                  interpret: bool, dot_dtype, with_output: bool = False, with_finals: bool = False,
-                 token_major: bool = False, split_state: bool = False):
+                 token_major: bool = False, split_state: bool = False,
+                 span: _LoopSpan | None = None):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, NT, C, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
-    bf16 parts each (``_dot``). Returns the outputs in the order (h, v_new), o, finals,
-    last state."""
+    bf16 parts each (``_dot``); span: loop over those chunks only (only the last state is
+    then meaningful). Returns the outputs in the order (h, v_new), o, finals, last state."""
     cols = h0.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols, token_major)
     has_init = init is not None
@@ -241,7 +290,13 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
         if factored:
             in_specs.append(sp.rows)
             args.append(terms.q_rows)
-    in_specs, args, struct = _with_states(sp, in_specs, args, init, h0)
+    if init is not None:
+        in_specs.append(sp.seq_state(init.shape[0]))
+        args.append(init)
+    if span is not None:
+        in_specs.append(sp.span)
+        args.append(span.first)
+    in_specs, args, struct = _with_carry(sp, in_specs, args, h0)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = {}
     if with_finals:
@@ -263,7 +318,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     out_shape.append(struct(B, HV, K, cols))
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
                      factored=factored, store_h=store_h, with_output=with_output,
-                     with_finals=with_finals, split_state=split_state, interpret=interpret)
+                     with_finals=with_finals, split_state=split_state,
+                     spanned=span is not None, interpret=interpret)
     tile_bytes = C * (2 * K + BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, input_output_aliases=aliases,
@@ -293,9 +349,11 @@ def state_fwd(terms, layout, init, h0, *, token_major=False, interpret=False,
 
 def state_last(terms, layout, init, h0, *, token_major=False, interpret=False,
                dot_dtype=jnp.float32):
-    """Twin of xla.state.state_last: the state after the last chunk."""
+    """Twin of xla.state.state_last: the state after the last chunk (the chunks from the last
+    sequence start on are run)."""
     return _run_forward(terms, layout, init, h0, u_cols=True, store_h=False,
-                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major)[0]
+                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
+                        span=_LoopSpan.after_last_start(layout))[0]
 
 
 def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
@@ -310,7 +368,7 @@ def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
-                     split_state=True)[0]
+                     split_state=True, span=_LoopSpan.transition(layout))[0]
     return ext, m
 
 
@@ -321,6 +379,7 @@ def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, in
         next(it) for _ in range(9))
     q_rows_ref, k_rows_ref = (next(it), next(it)) if factored else (None, None)
     final_ref = next(it) if has_final else None
+    span_ref = next(it) if entry_only else None
     dlast_ref = next(it)
     if with_d_init:
         next(it)                                           # zeros, aliased to d_init_ref
@@ -350,7 +409,7 @@ def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, in
                     d_init_ref[seq_ref[i]] = dh
         return jnp.where(start, 0.0, dh)
 
-    entry_ref[...] = lax.fori_loop(0, nt, body, dlast_ref[...])
+    entry_ref[...] = _span_loop(span_ref, nt, body, dlast_ref[...])
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
@@ -373,7 +432,13 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
     if factored:
         in_specs += [sp.rows, sp.rows]
         args += [terms.q_rows, terms.k_rows]
-    in_specs, args, struct = _with_states(sp, in_specs, args, d_final, d_last)
+    if has_final:
+        in_specs.append(sp.seq_state(d_final.shape[0]))
+        args.append(d_final)
+    if entry_only:
+        in_specs.append(sp.span)
+        args.append(_LoopSpan.before_first_start(layout).first)
+    in_specs, args, struct = _with_carry(sp, in_specs, args, d_last)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = _per_seq_output(sp, in_specs, args, n_seqs, V, 2) if with_d_init else {}
     if entry_only:
