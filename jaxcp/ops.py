@@ -13,9 +13,10 @@ from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 
 
 # Largest K for which GDN's Pallas kernels L2-normalise q, k themselves. Measured on the H100
-# (docs/benchmarks/kernels.md): at K = 128 it saves the norm's passes (fwd 5.48 -> 5.09 ms,
-# fwd+bwd 17.39 -> 16.62 at T = 32768, H = 64); at K = 256 it cost more than it saved
-# (fwd 4.62 -> 5.81, fwd+bwd 15.12 -> 16.65 at H = 16), so there XLA normalises first.
+# (docs/benchmarks/kernels.notes.md): at K = 128 it saves the norm's passes (fwd 5.48 ->
+# 5.09 ms, fwd+bwd 17.39 -> 16.62 at T = 32768, H = 64, 1bbada4). At K = 256 (H = 16,
+# 0384b99) the intra kernel normalises at no cost (1.62 against 1.61 ms) but the cotangent
+# kernels take 8.55 ms against 6.96 while the XLA norm costs 0.53, so there XLA normalises.
 NORMALIZE_IN_KERNELS_MAX_K = 128
 
 

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.l2norm import L2NORM_EPS
-from jaxcp.pallas.state import _dot, _params, fp32_precision
+from jaxcp.pallas.state import _bf16_dot, _dot, _params, fp32_precision
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
 
@@ -66,11 +66,6 @@ def _dots(precise: bool, interpret: bool, *, rounded: bool = False) -> _Dots:
     tf32 = dot(None)
     return _Dots(tf32, _bf16_dot if rounded else tf32,
                  partial(_dot, interpret=False, split=True))
-
-
-def _bf16_dot(a, b):
-    return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-                   preferred_element_type=jnp.float32)
 
 
 def _unit_lower_inverse(a, dot):

@@ -26,7 +26,7 @@ u = 0 (the transition M, K columns).
 A sequence start resets the state, so what leaves the last chunk depends only on the chunks
 from the last start on, and what enters chunk 0 (backward) only on the chunks before the
 first start after it. The calls that return only that one state (``state_last``,
-``cp_summary``, ``state_bwd(entry_only=True)``) loop over those chunks alone (``_LoopSpan``):
+``cp_summary``, ``state_bwd(entry_only=True)``) loop over those chunks alone (``_span_loop``):
 with packed sequences, a fraction of the device's chunks; M is zero, and not run, on a device
 where any sequence starts.
 """
@@ -75,15 +75,19 @@ def _dot(a, b, interpret: bool, split: bool = False):
     if a.dtype == b.dtype:
         precision = fp32_precision(interpret) if a.dtype == jnp.float32 else None
         return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
-    bf16 = lambda x: x.astype(jnp.bfloat16)
-    mm = partial(jnp.dot, preferred_element_type=jnp.float32)
     if not split:
-        return mm(bf16(a), bf16(b))
+        return _bf16_dot(a, b)
     if a.dtype == jnp.float32:
-        hi = bf16(a)
-        return mm(hi, b) + mm(bf16(a - hi.astype(jnp.float32)), b)
-    hi = bf16(b)
-    return mm(a, hi) + mm(a, bf16(b - hi.astype(jnp.float32)))
+        hi = a.astype(jnp.bfloat16)
+        return _bf16_dot(hi, b) + _bf16_dot(a - hi.astype(jnp.float32), b)
+    hi = b.astype(jnp.bfloat16)
+    return _bf16_dot(a, hi) + _bf16_dot(a, b - hi.astype(jnp.float32))
+
+
+def _bf16_dot(a, b):
+    """a @ b of both operands rounded to bf16, fp32 accumulation."""
+    return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
 
 
 def _tiles(dtype, *xs):
@@ -96,41 +100,36 @@ def _scale_rows(x, rows_ref, i):
     return x if rows_ref is None else rows_ref[i][:, None] * x
 
 
-class _LoopSpan(NamedTuple):
-    """Per batch row [B] int32: the first loop step (forward: chunk; backward: nt - 1 - chunk)
-    whose chunk reaches the one state returned. Steps before it are skipped, and the loop
-    starts from h0 (d_last) when the span is the whole loop, else from zero (the first chunk
-    run is then a reset, or M is zero)."""
-    first: jax.Array
+# Loop spans: per batch row [B] int32, the first loop step (forward: chunk; backward:
+# nt - 1 - chunk) whose chunk reaches the one state a call returns (``_span_loop``).
 
-    @staticmethod
-    def after_last_start(layout: ChunkLayout) -> "_LoopSpan":
-        """The state after the last chunk: chunks from the last sequence start (0 if none)."""
-        starts = layout.chunk_starts != 0
-        chunk = lax.broadcasted_iota(jnp.int32, starts.shape, 0)
-        return _LoopSpan(jnp.max(jnp.where(starts, chunk, 0), axis=0))
+def _span_after_last_start(layout: ChunkLayout) -> jax.Array:
+    """The state after the last chunk: chunks from the last sequence start (0 if none)."""
+    starts = layout.chunk_starts != 0
+    chunk = lax.broadcasted_iota(jnp.int32, starts.shape, 0)
+    return jnp.max(jnp.where(starts, chunk, 0), axis=0)
 
-    @staticmethod
-    def transition(layout: ChunkLayout) -> "_LoopSpan":
-        """The transition M: every chunk if no sequence starts on the device, else none (M = 0:
-        a start drops the state that entered)."""
-        NT = layout.chunk_starts.shape[0]
-        return _LoopSpan(jnp.where(jnp.any(layout.chunk_starts != 0, axis=0), NT, 0)
-                         .astype(jnp.int32))
 
-    @staticmethod
-    def before_first_start(layout: ChunkLayout) -> "_LoopSpan":
-        """The cotangent entering chunk 0 (reverse loop): chunks before the first start after
-        chunk 0 (all if none)."""
-        NT = layout.chunk_starts.shape[0]
-        starts = layout.chunk_starts[1:] != 0
-        chunk = lax.broadcasted_iota(jnp.int32, starts.shape, 0) + 1
-        return _LoopSpan(NT - jnp.min(jnp.where(starts, chunk, NT), axis=0, initial=NT))
+def _span_of_transition(layout: ChunkLayout) -> jax.Array:
+    """The transition M: every chunk if no sequence starts on the device, else none (M = 0:
+    a start drops the state that entered)."""
+    NT = layout.chunk_starts.shape[0]
+    return jnp.where(jnp.any(layout.chunk_starts != 0, axis=0), NT, 0).astype(jnp.int32)
+
+
+def _span_before_first_start(layout: ChunkLayout) -> jax.Array:
+    """The cotangent entering chunk 0 (reverse loop): chunks before the first start after
+    chunk 0 (all if none)."""
+    NT = layout.chunk_starts.shape[0]
+    starts = layout.chunk_starts[1:] != 0
+    chunk = lax.broadcasted_iota(jnp.int32, starts.shape, 0) + 1
+    return NT - jnp.min(jnp.where(starts, chunk, NT), axis=0, initial=NT)
 
 
 def _span_loop(span_ref, nt: int, body, init):
-    """fori_loop(first, nt, body, init or zero) over the span of a batch row, or over all nt
-    steps from init when span_ref is None."""
+    """fori_loop(first, nt, body, ...) from the span's first step of this batch row, or over
+    all nt steps when span_ref is None. The loop starts from init when it runs every step,
+    else from zero (its first chunk is then a reset, or M is zero)."""
     if span_ref is None:
         return lax.fori_loop(0, nt, body, init)
     first = span_ref[0]
@@ -157,7 +156,7 @@ class _Specs(NamedTuple):
     decay: pl.BlockSpec        # [NT] (GDN) or [NT, K]
     state: pl.BlockSpec        # [K, BV]
     seq_state: Callable        # n_seqs -> [N, K, BV] (initial states, final-state cotangents)
-    span: pl.BlockSpec         # [1] of a [B] _LoopSpan
+    span: pl.BlockSpec         # [1] of a [B] loop span
 
 
 def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _Specs:
@@ -263,12 +262,12 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bool, store_h: bool,
                  interpret: bool, dot_dtype, with_output: bool = False, with_finals: bool = False,
                  token_major: bool = False, split_state: bool = False,
-                 span: _LoopSpan | None = None):
+                 span: jax.Array | None = None):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, NT, C, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
-    bf16 parts each (``_dot``); span: loop over those chunks only (only the last state is
-    then meaningful). Returns the outputs in the order (h, v_new), o, finals, last state."""
+    bf16 parts each (``_dot``); span ([B], ``_span_loop``): loop over those chunks only (only
+    the last state is then meaningful). Returns the outputs in the order (h, v_new), o, finals, last state."""
     cols = h0.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols, token_major)
     has_init = init is not None
@@ -295,7 +294,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
         args.append(init)
     if span is not None:
         in_specs.append(sp.span)
-        args.append(span.first)
+        args.append(span)
     in_specs, args, struct = _with_carry(sp, in_specs, args, h0)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = {}
@@ -353,7 +352,7 @@ def state_last(terms, layout, init, h0, *, token_major=False, interpret=False,
     sequence start on are run)."""
     return _run_forward(terms, layout, init, h0, u_cols=True, store_h=False,
                         interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                        span=_LoopSpan.after_last_start(layout))[0]
+                        span=_span_after_last_start(layout))[0]
 
 
 def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
@@ -368,7 +367,7 @@ def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
-                     split_state=True, span=_LoopSpan.transition(layout))[0]
+                     split_state=True, span=_span_of_transition(layout))[0]
     return ext, m
 
 
@@ -437,7 +436,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
         args.append(d_final)
     if entry_only:
         in_specs.append(sp.span)
-        args.append(_LoopSpan.before_first_start(layout).first)
+        args.append(_span_before_first_start(layout))
     in_specs, args, struct = _with_carry(sp, in_specs, args, d_last)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = _per_seq_output(sp, in_specs, args, n_seqs, V, 2) if with_d_init else {}
