@@ -1,9 +1,10 @@
 """The chunked delta rule as one custom_vjp, with the cross-device step inside it.
 
 Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V]
-(float32, or bf16 for the Pallas GDN kernels), g [NT, B, HV, C, Kg], beta [NT, B, HV, C]
-float32; or token-major [B, NT, C, HV, ...] for the Pallas GDN kernels when no sequence
-needs padding (``CoreConfig.token_major``); initial states [N, HV, K, V] float32 or None.
+float32, g [NT, B, HV, C, Kg], beta [NT, B, HV, C] float32; or, for the Pallas GDN kernels,
+token-major as the caller has them, [B, T, HV, ...] (q, k, v bf16 for bf16 inputs), each
+chunk read in place at the rows the layout gives it (``CoreConfig.token_major``); initial
+states [N, HV, K, V] float32 or None.
 
 Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
@@ -32,8 +33,8 @@ from jaxcp.xla import ChunkTerms
 class CoreConfig:
     """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all wraps
     the op without CP, see ``cp.all_to_all``). token_major: q, k, v, g, beta (and o) are
-    [B, NT, C, HV, ...] instead of chunk layout (see ``stages``). normalize_qk: q, k are
-    raw and the stages L2-normalise them (Pallas GDN only)."""
+    [B, T, HV, ...] instead of chunk layout (see ``stages``). normalize_qk: q, k are
+    raw and the stages L2-normalise them (Pallas GDN only). chunk_size: C."""
     scale: float
     output_final_state: bool
     cp_axis: str | None = None
@@ -42,10 +43,12 @@ class CoreConfig:
     dot_dtype: str = "float32"
     token_major: bool = False
     normalize_qk: bool = False
+    chunk_size: int = 64
 
     @property
     def stages(self) -> Stages:
-        return stages_for(self.backend, self.dot_dtype, self.token_major, self.normalize_qk)
+        return stages_for(self.backend, self.dot_dtype, self.token_major, self.normalize_qk,
+                          self.chunk_size)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:
@@ -91,7 +94,7 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
 
 
 def _forward(cfg, q, k, v, g, beta, init, layout):
-    terms = cfg.stages.intra(q, k, v, g, beta, cfg.scale)
+    terms = cfg.stages.intra(q, k, v, g, beta, cfg.scale, layout)
     s_in, m = _entry_state(cfg, terms, layout, init)
     o, finals = cfg.stages.state_output(terms, layout, init, s_in, cfg.output_final_state)
     return (o, finals), (q, k, v, g, beta, init, layout, s_in, m)
@@ -99,7 +102,7 @@ def _forward(cfg, q, k, v, g, beta, init, layout):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layout: ChunkLayout):
-    """o [NT, B, HV, C, V] (token-major: [B, NT, C, HV, V]) and the final states [N, HV, K, V]
+    """o [NT, B, HV, C, V] (token-major: [B, T, HV, V]) and the final states [N, HV, K, V]
     of the sequences that end on this device, zero for the others (None unless
     cfg.output_final_state); under CP the caller sums them over the axis, outside this vjp,
     so that JAX transposes the sum for either setting of shard_map's check_vma."""
@@ -110,13 +113,13 @@ def _backward(cfg, res, cts):
     q, k, v, g, beta, init, layout, s_in, m = res
     do, d_final = cts
     st = cfg.stages
-    terms = st.intra(q, k, v, g, beta, cfg.scale, with_inverse=True)
+    terms = st.intra(q, k, v, g, beta, cfg.scale, layout, with_inverse=True)
     h, v_new, _ = st.state_fwd(terms, layout, init, s_in)
     d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
     _, d_init, x, dvn = st.state_bwd(terms, layout, do, d_final, d_last,
                                      with_d_init=init is not None)
-    dq, dk, dv, dg, dbeta = st.chunk_grads(q, k, v, g, beta, cfg.scale, terms, h, v_new, x, dvn,
-                                           do)
+    dq, dk, dv, dg, dbeta = st.chunk_grads(q, k, v, g, beta, cfg.scale, layout, terms, h,
+                                           v_new, x, dvn, do)
     if init is not None:
         d_init = match_cotangent(d_init, init)
     grads = tuple(d.astype(x.dtype) for d, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta)))

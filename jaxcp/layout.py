@@ -28,12 +28,21 @@ class ChunkLayout(NamedTuple):
     chunk_ends [NT, B] bool: the chunk holds its sequence's last token.
     seq_last_chunk [N] int32: flat index (chunk * B + batch) of each sequence's last chunk here.
     seq_ends_here [N] bool: the sequence's last token is on this device.
+    token_start [NT, B] int32: local index of the chunk's first token.
+    token_count [NT, B] int32: the chunk's real tokens, 0 to C (the rest is padding).
+
+    Token ``token_start + i`` is row i of the chunk for i < token_count: the token-major
+    kernels read a chunk as rows of the [B, T_local, ...] tensors, in place. Both are None
+    when chunk c is the whole tokens [c C, (c + 1) C) (no cu_seqlens, T_local a multiple of
+    C): the kernels then know where chunks are without reading it.
     """
     chunk_seq: jax.Array
     chunk_starts: jax.Array
     chunk_ends: jax.Array
     seq_last_chunk: jax.Array
     seq_ends_here: jax.Array
+    token_start: jax.Array
+    token_count: jax.Array
 
 
 class TokenMap(NamedTuple):
@@ -76,6 +85,9 @@ def build_layout(batch: int, t_local: int, chunk_size: int, cu_seqlens: jax.Arra
             chunk_ends=per_chunk((c == last) & ends_here),
             seq_last_chunk=(last * batch + jnp.arange(batch)).astype(jnp.int32),
             seq_ends_here=jnp.broadcast_to(ends_here, (batch,)),
+            token_start=None if t_local % C == 0 else per_chunk((c * C).astype(jnp.int32)),
+            token_count=(None if t_local % C == 0
+                         else per_chunk(jnp.clip(t_local - c * C, 0, C).astype(jnp.int32))),
         )
         return layout, None
 
@@ -95,18 +107,22 @@ def build_layout(batch: int, t_local: int, chunk_size: int, cu_seqlens: jax.Arra
     seq = jnp.searchsorted(chunk_end, c, side="right")
     used = seq < N
     seq = jnp.minimum(seq, N - 1).astype(jnp.int32)
+    first = (c - chunk_begin[seq]) * C          # the chunk's first token within its sequence
     layout = ChunkLayout(
         chunk_seq=seq[:, None],
         chunk_starts=(used & (c == chunk_begin[seq]) & begins_here[seq])[:, None],
         chunk_ends=(used & (c == chunk_end[seq] - 1) & ends_here[seq])[:, None],
         seq_last_chunk=jnp.maximum(chunk_end - 1, 0).astype(jnp.int32),
         seq_ends_here=ends_here,
+        token_start=jnp.minimum(local_start[seq] + first, t_local)[:, None].astype(jnp.int32),
+        token_count=jnp.where(used, jnp.clip(length[seq] - first, 0, C), 0)[:, None].astype(
+            jnp.int32),
     )
 
     slot = jnp.arange(NT * C)
     slot_seq = seq[slot // C]
     offset = slot - chunk_begin[slot_seq] * C
-    valid = used[slot // C] & (offset < length[slot_seq])
+    valid = (slot % C) < layout.token_count[slot // C, 0]
     t = jnp.arange(t_local)
     token_seq = sequence_of(cu, device_start + t)
     token_map = TokenMap(

@@ -6,8 +6,10 @@ recurrences (forward fused with the output, backward, CP summary) for both gates
 intra-chunk terms and input cotangents; KDA's (per-channel gate) stay in jnp.
 
 token_major (GDN, Pallas only): the token tensors q, k, v, g, beta, o, do and the input
-cotangents are [B, NT, C, HV, ...], a reshape of [B, T, HV, ...], and the kernels read and
-write them in place; otherwise they are in chunk layout [NT, B, HV, C, ...] like the terms.
+cotangents are [B, T, HV, ...] as the caller has them, and the kernels read and write each
+chunk in place, at the rows the ``ChunkLayout`` gives it (packed sequences included);
+otherwise they are in chunk layout [NT, B, HV, C, ...] like the terms. ``intra`` and
+``chunk_grads`` take the layout after ``scale``.
 GDN's Pallas intra kernel returns row-factored terms (``ChunkTerms``), whose bare q, k are
 the token tensors as given.
 """
@@ -34,7 +36,7 @@ class Stages(NamedTuple):
 
 @lru_cache(maxsize=None)
 def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = False,
-               normalize_qk: bool = False) -> Stages:
+               normalize_qk: bool = False, chunk_size: int = 64) -> Stages:
     """dot_dtype: the operand dtype of the kernels' matrix products ("bfloat16" for bf16
     inputs, as FLA does; accumulation and the state stay float32). normalize_qk (GDN,
     Pallas only): ``intra`` and ``chunk_grads`` take raw q, k and L2-normalise them inside
@@ -45,10 +47,12 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
         raise ValueError("normalize_qk: only the Pallas GDN stages normalise q, k themselves")
     if backend == "xla":
         # the jnp chunk_grads recomputes the terms in its vjp and never reads the inverse
-        intra = lambda q, k, v, g, beta, scale, with_inverse=False: xla.intra_chunk(
+        intra = lambda q, k, v, g, beta, scale, layout, with_inverse=False: xla.intra_chunk(
             q, k, v, g, beta, scale)
+        chunk_grads = lambda q, k, v, g, beta, scale, layout, *rest: xla.chunk_grads(
+            q, k, v, g, beta, scale, *rest)
         return Stages(intra, xla.state_output, xla.state_fwd, xla.state_last,
-                      xla.cp_summary, xla.state_bwd, xla.chunk_grads)
+                      xla.cp_summary, xla.state_bwd, chunk_grads)
     from jaxcp.pallas import grads as pallas_grads
     from jaxcp.pallas import intra as pallas_intra
     from jaxcp.pallas import state as pallas_state
@@ -57,25 +61,28 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
     precise = dot_dtype == "float32"
 
     def per_channel_gate(g):
+        """KDA (its intra terms and cotangents in jnp) or GDN (Pallas, token-major only)."""
         if g.shape[-1] == 1:
+            if not token_major:
+                raise ValueError("token_major: the Pallas GDN stages read token-major tensors")
             return False
         if token_major or normalize_qk:
             raise ValueError("token_major, normalize_qk: not for KDA's jnp stages")
         return True
 
-    def intra(q, k, v, g, beta, scale, with_inverse=False):
+    def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         if not per_channel_gate(g):
-            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
-                                            token_major=token_major, interpret=interpret,
+            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, layout, chunk_size,
+                                            with_inverse=with_inverse, interpret=interpret,
                                             precise=precise, out_dtype=jnp.dtype(dot_dtype),
                                             normalize_qk=normalize_qk)
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
-    def chunk_grads(q, k, v, g, beta, scale, *rest):
+    def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         if not per_channel_gate(g):
-            return pallas_grads.chunk_grads(q, k, v, g, beta, scale, *rest,
-                                            token_major=token_major, interpret=interpret,
-                                            precise=precise, normalize_qk=normalize_qk)
+            return pallas_grads.chunk_grads(q, k, v, g, beta, scale, layout, chunk_size, *rest,
+                                            interpret=interpret, precise=precise,
+                                            normalize_qk=normalize_qk)
         return xla.chunk_grads(q, k, v, g, beta, scale, *rest)
 
     kw = dict(token_major=token_major, interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))

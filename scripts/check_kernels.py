@@ -5,8 +5,7 @@
 For each op, layout, T and K = V = D (bf16 inputs by default, q/k L2-normalised, initial
 states): relative error of o, the final state and every gradient against the reference.
 Layouts: "varlen" packs sequences (cu_seqlens, B = 1); "batch" is B = 2 rows of one sequence
-each, without cu_seqlens (when T is a multiple of 64 the GDN kernels then read the tokens in
-place). Keys: "random" (independent normals) or "correlated" (the keys of a head share one
+each, without cu_seqlens (the GDN kernels read the tokens in place in both). Keys: "random" (independent normals) or "correlated" (the keys of a head share one
 direction plus 10 % noise, with 10x weaker decay, as for the repeated tokens of real data,
 where (I + A)^-1 is far from I). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
 With --repeat N the op runs N times per case and must give the same bits every time (a

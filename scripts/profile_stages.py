@@ -2,8 +2,9 @@
 
     python scripts/profile_stages.py --T 32768 --H 64 --D 128
 
-Stages, as ``backend="pallas"`` runs them for bf16 inputs and one sequence of whole chunks
-(the kernels read q, k, v, g, beta and write o token-major, in place): the L2 norm of q and
+Stages, as ``backend="pallas"`` runs them for bf16 inputs, one sequence or the packed
+sequences of --cu-seqlens (the kernels read q, k, v, g, beta and write o token-major, in
+place): the L2 norm of q and
 k (XLA; only above NORMALIZE_IN_KERNELS_MAX_K, else the kernels normalise), the intra-chunk
 terms (with the inverse in the backward), the forward state recurrence fused with the output
 (what the forward runs), the forward recurrence that stores h and v_new (what the backward
@@ -28,9 +29,19 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cu-seqlens", default=None,
+                    help="packed sequences: comma list of offsets from 0 to T")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--interpret", action="store_true")
     args = ap.parse_args(argv)
+    cu = None
+    if args.cu_seqlens:
+        try:
+            cu = [int(x) for x in args.cu_seqlens.split(",")]
+        except ValueError:
+            ap.error("--cu-seqlens must be a comma list of integers")
+        if cu[0] != 0 or cu[-1] != args.T or any(b <= a for a, b in zip(cu, cu[1:])):
+            ap.error("--cu-seqlens must increase strictly from 0 to --T")
 
     import jax
     import jax.numpy as jnp
@@ -50,9 +61,9 @@ def main(argv=None):
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H, 1)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32))
-    layout, tmap = build_layout(1, T, C, None, 0, T)
-    NT = num_chunks(T, C, None)
-    tokens = lambda x: x.reshape(1, NT, C, *x.shape[2:])
+    cu_seqlens = None if cu is None else jnp.asarray(cu, jnp.int32)
+    layout, tmap = build_layout(1, T, C, cu_seqlens, 0, T)
+    NT = num_chunks(T, C, None if cu is None else len(cu) - 1)
     scale = D ** -0.5
     bf16 = jnp.dtype(jnp.bfloat16)
     rows = []
@@ -77,9 +88,9 @@ def main(argv=None):
     norm_inside = D <= NORMALIZE_IN_KERNELS_MAX_K
     if not norm_inside:
         q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
-    chunks = tuple(map(tokens, (q, k, v, g, beta)))
+    chunks = (q, k, v, g, beta)
     pallas = dict(interpret=args.interpret, normalize_qk=norm_inside)
-    intra = partial(pintra.intra_chunk, scale=scale, token_major=True, precise=False,
+    intra = partial(pintra.intra_chunk, scale=scale, layout=layout, chunk_size=C, precise=False,
                     out_dtype=bf16, **pallas)
     timed("intra_chunk", lambda *xs: intra(*xs), *chunks)
     terms = timed("intra_chunk with the inverse (backward)",
@@ -90,11 +101,11 @@ def main(argv=None):
     timed("state_output (fwd recurrence + output)", output, terms)
     h, vn, _ = timed("state_fwd (stores h, v_new)", lambda t: pstate.state_fwd(
         t, layout, None, h0, **kw), terms)
-    do = tokens(r(1, T, H, D))
+    do = r(1, T, H, D)
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
         t, layout, d, None, h0, **kw), terms, do)
-    grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, *xs[5:], token_major=True,
-                                           precise=False, **pallas)
+    grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:], precise=False,
+                                           **pallas)
     timed("chunk_grads", grads, *chunks, terms, h, vn, x, dvn, do)
 
     if args.variants:
@@ -105,13 +116,12 @@ def main(argv=None):
             timed("variant: l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), raw_q, raw_k)
         other = dict(pallas, normalize_qk=not norm_inside)
         qk = (raw_q, raw_k) if other["normalize_qk"] else (l2(raw_q), l2(raw_k))
-        flipped = tuple(map(tokens, qk)) + chunks[2:]
+        flipped = qk + chunks[2:]
         how = "normalising q, k" if other["normalize_qk"] else "on q, k normalised by XLA"
         timed(f"variant: intra_chunk {how}", lambda *xs: pintra.intra_chunk(
-            *xs, scale=scale, token_major=True, precise=False, out_dtype=bf16, **other),
-            *flipped)
+            *xs, scale, layout, C, precise=False, out_dtype=bf16, **other), *flipped)
         timed(f"variant: chunk_grads {how}", lambda *xs: pgrads.chunk_grads(
-            *xs[:5], scale, *xs[5:], token_major=True, precise=False, **other),
+            *xs[:5], scale, layout, C, *xs[5:], precise=False, **other),
             *flipped, terms, h, vn, x, dvn, do)
         block_cols = pstate._block_cols
         for bv in (32, 16):
@@ -132,6 +142,7 @@ def main(argv=None):
             importlib.reload(mod)
 
     op = partial(jaxcp.chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True,
+                 cu_seqlens=cu_seqlens,
                  backend="interpret" if args.interpret else "pallas")
     xs = (raw_q, raw_k, v, g[..., 0], beta.astype(jnp.bfloat16))
     timed("op forward", lambda *a: op(*a)[0], *xs)

@@ -6,7 +6,7 @@ import pytest
 
 from jaxcp import xla
 from jaxcp.l2norm import l2_normalize
-from jaxcp.layout import build_layout, num_chunks, to_chunks
+from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
 from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import state as pstate
@@ -15,16 +15,19 @@ from helpers import assert_rel, make_inputs
 KINDS = ["gdn", "kda"]
 
 
-def token_major(x):
-    """[NT, B, HV, C, ...] <-> [B, NT, C, HV, ...] (the permutation is its own inverse)."""
-    return jnp.moveaxis(x, (0, 1, 2, 3), (1, 0, 3, 2))
+def token_layout(T, C, cu=None, device=0, world=1):
+    """The layout of a device's T tokens and the two conversions: tokens [B, T, HV, ...] ->
+    chunk layout [NT, B, HV, C, ...] (padding zero) and back."""
+    cu = None if cu is None else jnp.asarray(cu, jnp.int32)
+    B = 1
+    layout, tmap = build_layout(B, T, C, cu, device * T, world * T)
+    NT = num_chunks(T, C, None if cu is None else cu.shape[0] - 1)
+    return layout, (lambda x: to_chunks(x, tmap, NT, C)), (lambda y: from_chunks(y, tmap, T))
 
 
-def plain(terms, tm):
-    """Row-factored terms (bare q, k token-major when tm) in the plain chunk-layout form."""
-    if tm:
-        terms = terms._replace(qg=token_major(terms.qg), kd=token_major(terms.kd))
-    return terms.tiles()
+def plain(terms, chunks):
+    """Row-factored terms (bare q, k token-major) in the plain chunk-layout form."""
+    return terms._replace(qg=chunks(terms.qg), kd=chunks(terms.kd)).tiles()
 
 
 def assert_terms(got, want, tol):
@@ -75,8 +78,6 @@ def test_state_output(kind, with_init):
     for name, a, b in zip(("o", "finals"), got, want):
         assert_rel(a, b, 1e-5, name)
     assert pstate.state_output(terms, layout, init, h0, False, interpret=True)[1] is None
-    o_tm = pstate.state_output(terms, layout, init, h0, False, token_major=True, interpret=True)
-    assert_rel(token_major(o_tm[0]), want[0], 1e-5, "o token-major")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -113,138 +114,150 @@ def test_state_bwd(kind, entry_only, device):
     got = pstate.state_bwd(terms, layout, do, d_final, d_last, with_d_init=True,
                            entry_only=entry_only, interpret=True)
     if entry_only:
-        got_tm = pstate.state_bwd(terms, layout, token_major(do), d_final, d_last,
-                                  entry_only=True, token_major=True, interpret=True)
-        assert_rel(got_tm, want, 1e-5, "d_entry token-major")
         want, got = (want,), (got,)
     else:
         assert pstate.state_bwd(terms, layout, do, d_final, d_last, interpret=True)[1] is None
-        got_tm = pstate.state_bwd(terms, layout, token_major(do), d_final, d_last,
-                                  with_d_init=True, token_major=True, interpret=True)
-        for name, a, b in zip(("d_entry", "d_init", "x", "dvn"), got_tm, want):
-            assert_rel(a, b, 1e-5, name + " token-major")
         assert (float(jnp.abs(got[1][0]).max()) == 0.0) == (device == 1)
     for name, a, b in zip(("d_entry", "d_init", "x", "dvn"), got, want):
         assert_rel(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("C, tm, correlated", [(16, False, False), (64, False, False),
-                                               (16, True, False), (64, False, True)])
-def test_intra_chunk_gdn(C, tm, correlated):
-    """correlated: unit keys sharing a direction, weak decay, where the inverse's intermediate
-    terms must stay bounded (a power series in A loses everything in fp32 here)."""
-    q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, 32, 16, correlated_keys=correlated)
+# token layouts of the kernels' tests: T a multiple of C; a last chunk of 6 tokens; packed
+# sequences (chunks that start mid-chunk and end early, one of a single token)
+LAYOUTS = {"even": (64, None), "ragged": (70, None), "packed": (70, [0, 1, 20, 37, 70])}
+
+
+@pytest.mark.parametrize("C, layout_name, correlated", [
+    (16, "ragged", False), (64, "ragged", False), (16, "packed", False), (64, "even", True)])
+def test_intra_chunk_gdn(C, layout_name, correlated):
+    """The kernel reads the token tensors in place; its terms equal the XLA twin's on the
+    chunk layout. correlated: unit keys sharing a direction, weak decay, where the inverse's
+    intermediate terms must stay bounded (a power series in A loses everything in fp32)."""
+    T, cu = LAYOUTS[layout_name]
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, T, 2, 2, 32, 16, correlated_keys=correlated)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True) if correlated else k / 6
-    layout, tmap = build_layout(1, 70, C, None, 0, 70)
-    ch = lambda x: to_chunks(x, tmap, num_chunks(70, C, None), C)
-    args = (ch(q), ch(k), ch(v), ch(g[..., None]), ch(beta))
-    want = xla.intra_chunk(*args, 0.25, with_inverse=True)
-    tm_args = tuple(map(token_major, args)) if tm else args
-    got = pintra.intra_chunk(*tm_args, 0.25, with_inverse=True, token_major=tm, interpret=True)
-    assert pintra.intra_chunk(*args, 0.25, interpret=True).inv is None
+    layout, chunks, _ = token_layout(T, C, cu)
+    args = (q, k, v, g[..., None], beta)
+    want = xla.intra_chunk(*map(chunks, args), 0.25, with_inverse=True)
+    got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True)
+    assert pintra.intra_chunk(*args, 0.25, layout, C, interpret=True).inv is None
     assert float(jnp.abs(want.inv).max()) < 2.0
-    assert_terms(plain(got, tm), want, 1e-5)
+    assert_terms(plain(got, chunks), want, 1e-5)
 
 
-@pytest.mark.parametrize("C, K, V, tm", [(16, 32, 16, False), (64, 128, 128, False),
-                                         (16, 32, 16, True)])
-def test_chunk_grads_gdn(C, K, V, tm):
-    """K, V = 128: the kernel's loops over blocks of 64 key and value columns."""
-    q, k, v, g, beta, _ = make_inputs("gdn", 1, 70, 2, 2, K, V)
-    layout, tmap = build_layout(1, 70, C, None, 0, 70)
-    NT = num_chunks(70, C, None)
-    ch = lambda x: to_chunks(x, tmap, NT, C)
-    args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
-    rng = np.random.default_rng(5)
+def grads_inputs(T, C, cu, K, V, seed):
+    """Token tensors (q, k, v, g [..., 1], beta), random chunk-layout h, v_new, X, dvn and a
+    token-major do, with the layout and its conversions."""
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, T, 2, 2, K, V)
+    layout, chunks, tokens = token_layout(T, C, cu)
+    NT = layout.chunk_starts.shape[0]
+    rng = np.random.default_rng(seed)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    # h, X [NT, B, HV, K, V]; v_new, dvn, do [NT, B, HV, C, V]
-    rest = (r(NT, 1, 2, K, V), r(NT, 1, 2, C, V), r(NT, 1, 2, K, V), r(NT, 1, 2, C, V),
-            r(NT, 1, 2, C, V))
-    terms = xla.intra_chunk(*args, 0.25, with_inverse=True)
-    want = xla.chunk_grads(*args, 0.25, terms, *rest)
-    if tm:
-        got = pgrads.chunk_grads(*map(token_major, args), 0.25, terms, *rest[:4],
-                                 token_major(rest[4]), token_major=True, interpret=True)
-        got = tuple(map(token_major, got))
-    else:
-        got = pgrads.chunk_grads(*args, 0.25, terms, *rest, interpret=True)
+    rest = (r(NT, 1, 2, K, V), r(NT, 1, 2, C, V), r(NT, 1, 2, K, V), r(NT, 1, 2, C, V))
+    return (q, k, v, g[..., None], beta), rest, r(1, T, 2, V), layout, chunks, tokens
+
+
+@pytest.mark.parametrize("C, K, V, layout_name", [(16, 32, 16, "ragged"),
+                                                  (64, 128, 128, "ragged"),
+                                                  (16, 32, 16, "packed")])
+def test_chunk_grads_gdn(C, K, V, layout_name):
+    """The cotangents, written in place into token-major tensors, equal the XLA twin's on
+    the chunk layout at every real token. K, V = 128: the kernel's loops over blocks of 64
+    key and value columns."""
+    T, cu = LAYOUTS[layout_name]
+    args, rest, do, layout, chunks, tokens = grads_inputs(T, C, cu, K, V, 5)
+    args = (args[0], args[1] / 6) + args[2:]
+    terms = xla.intra_chunk(*map(chunks, args), 0.25, with_inverse=True)
+    want = xla.chunk_grads(*map(chunks, args), 0.25, terms, *rest, chunks(do))
+    got = pgrads.chunk_grads(*args, 0.25, layout, C, terms, *rest, do, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
-        assert_rel(a, b, 1e-5, name)
+        assert_rel(a, tokens(b), 1e-5, name)
 
 
-@pytest.mark.parametrize("tm", [False, True])
-def test_normalize_qk_in_kernels(tm):
+@pytest.mark.parametrize("layout_name", ["even", "packed"])
+def test_normalize_qk_in_kernels(layout_name):
     """normalize_qk: raw q, k in; the terms of their L2-normalised rows, and the cotangents of
     the raw q, k (the normalisation's vjp), equal to l2_normalize outside the XLA twins.
     K = 128: the row norms span two blocks of key columns."""
     C, K, V = 64, 128, 64
-    q, k, v, g, beta, _ = make_inputs("gdn", 1, 128, 2, 2, K, V)
-    q, k = 3 * q, k / 2          # rows far from unit norm
-    layout, tmap = build_layout(1, 128, C, None, 0, 128)
-    NT = num_chunks(128, C, None)
-    ch = lambda x: to_chunks(x, tmap, NT, C)
-    args = (ch(q), ch(k), ch(v), ch(g[..., None]), ch(beta))
+    T = 128 if layout_name == "even" else 140
+    cu = None if layout_name == "even" else [0, 50, 51, 140]
+    args, rest, do, layout, chunks, tokens = grads_inputs(T, C, cu, K, V, 6)
+    args = (3 * args[0], args[1] / 2) + args[2:]          # rows far from unit norm
     unit = lambda q, k: (l2_normalize(q), l2_normalize(k))
-    want = xla.intra_chunk(*unit(*args[:2]), *args[2:], 0.25, with_inverse=True)
-    run_args = tuple(map(token_major, args)) if tm else args
-    got = pintra.intra_chunk(*run_args, 0.25, with_inverse=True, token_major=tm, interpret=True,
+    chunked = tuple(map(chunks, args))
+    want = xla.intra_chunk(*unit(*chunked[:2]), *chunked[2:], 0.25, with_inverse=True)
+    got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True,
                              normalize_qk=True)
-    assert_terms(plain(got, tm), want, 1e-5)
+    assert_terms(plain(got, chunks), want, 1e-5)
 
-    rng = np.random.default_rng(6)
-    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    rest = (r(NT, 1, 2, K, V), r(NT, 1, 2, C, V), r(NT, 1, 2, K, V), r(NT, 1, 2, C, V),
-            r(NT, 1, 2, C, V))
-    (qn, kn), unit_vjp = jax.vjp(unit, *args[:2])
-    dqn, dkn, *others = xla.chunk_grads(qn, kn, *args[2:], 0.25, want, *rest)
+    (qn, kn), unit_vjp = jax.vjp(unit, *chunked[:2])
+    dqn, dkn, *others = xla.chunk_grads(qn, kn, *chunked[2:], 0.25, want, *rest, chunks(do))
     want_grads = (*unit_vjp((dqn, dkn)), *others)
-    if tm:
-        got = pgrads.chunk_grads(*run_args, 0.25, want, *rest[:4], token_major(rest[4]),
-                                 token_major=True, interpret=True, normalize_qk=True)
-        got = tuple(map(token_major, got))
-    else:
-        got = pgrads.chunk_grads(*args, 0.25, want, *rest, interpret=True, normalize_qk=True)
+    got = pgrads.chunk_grads(*args, 0.25, layout, C, want, *rest, do, interpret=True,
+                             normalize_qk=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want_grads):
-        assert_rel(a, b, 1e-5, name)
+        assert_rel(a, tokens(b), 1e-5, name)
 
 
-@pytest.mark.parametrize("tm", [False, True])
-def test_state_kernels_read_row_factored_terms(tm):
-    """The state kernels on the intra kernel's row-factored terms (bare q, k, token-major
-    when tm) equal them on the same terms as plain tiles: output, stored states, CP summary
-    and the reverse recurrence."""
+@pytest.mark.parametrize("layout_name, device", [("even", 0), ("ragged", 0), ("packed", 0),
+                                                 ("packed", 1)])
+def test_state_kernels_read_tokens_in_place(layout_name, device):
+    """The state kernels on the intra kernel's row-factored terms, with q, k, o and do
+    token-major, equal them on the same terms as plain chunk-layout tiles: output, stored
+    states, CP summary and the reverse recurrence. Device 1 of 2 with packed sequences: the
+    first local chunk continues a sequence, and the CP summary skips the chunks before the
+    last start."""
     C, K, V = 16, 32, 16
-    q, k, v, g, beta, h0 = make_inputs("gdn", 1, 64, 2, 2, K, V, n_states=1)
-    layout, tmap = build_layout(1, 64, C, None, 0, 64)
-    ch = lambda x: to_chunks(x, tmap, num_chunks(64, C, None), C)
-    args = (ch(q), ch(k) / 6, ch(v), ch(g[..., None]), ch(beta))
-    factored = pintra.intra_chunk(*(map(token_major, args) if tm else args), 0.25,
-                                  token_major=tm, interpret=True)
-    tiles = plain(factored, tm)
-    do = jnp.asarray(np.random.default_rng(7).standard_normal(tiles.u.shape), jnp.float32)
+    T, cu = LAYOUTS[layout_name]
+    cu = None if cu is None else [0, 1, 20, 37, 70, 90, 100, 140][: 5 + 3 * device]
+    n_states = 1 if cu is None else len(cu) - 1
+    q, k, v, g, beta, h0 = make_inputs("gdn", 1, T, 2, 2, K, V, n_states=n_states)
+    layout, chunks, tokens = token_layout(T, C, cu, device, device + 1)
+    factored = pintra.intra_chunk(q, k / 6, v, g[..., None], beta, 0.25, layout, C,
+                                  interpret=True)
+    tiles = plain(factored, chunks)
+    do = jnp.asarray(np.random.default_rng(7).standard_normal(v.shape), jnp.float32)
+    carry = h0[:1]
     kw = dict(interpret=True)
+    # (name, run(terms, token_major), converts the token-major outputs to chunk layout)
     runs = [
-        ("state_output", lambda t, tm: pstate.state_output(t, layout, h0, h0, True,
-                                                           token_major=tm, **kw)),
-        ("state_fwd", lambda t, tm: pstate.state_fwd(t, layout, h0, h0, token_major=tm, **kw)),
-        ("cp_summary", lambda t, tm: pstate.cp_summary(t, layout, h0, token_major=tm, **kw)),
-        ("state_bwd", lambda t, tm: pstate.state_bwd(t, layout, token_major(do) if tm else do,
-                                                     h0, h0, with_d_init=True, token_major=tm,
-                                                     **kw)),
+        ("state_output", lambda t, tm: pstate.state_output(t, layout, h0, carry, True,
+                                                           token_major=tm, **kw),
+         [chunks, None]),
+        ("state_fwd", lambda t, tm: pstate.state_fwd(t, layout, h0, carry, token_major=tm, **kw),
+         [None] * 3),
+        ("cp_summary", lambda t, tm: pstate.cp_summary(t, layout, h0, token_major=tm, **kw),
+         [None] * 2),
+        ("state_bwd", lambda t, tm: pstate.state_bwd(t, layout, do if tm else chunks(do), h0,
+                                                     carry, with_d_init=True, token_major=tm,
+                                                     **kw), [None] * 4),
+        ("state_bwd entry", lambda t, tm: (pstate.state_bwd(
+            t, layout, do if tm else chunks(do), h0, carry, entry_only=True, token_major=tm,
+            **kw),), [None]),
     ]
-    for name, run in runs:
-        for i, (a, b) in enumerate(zip(run(factored, tm), run(tiles, tm))):
-            assert_rel(a, b, 1e-5, f"{name} output {i}")
+    for name, run, convert in runs:
+        for i, (a, b, c) in enumerate(zip(run(factored, True), run(tiles, False), convert)):
+            assert_rel(a if c is None else c(a), b, 1e-5, f"{name} output {i}")
 
 
 def test_token_major_only_for_pallas_gdn():
+    """The XLA stages and KDA's jnp stages read chunk layout only; GDN's Pallas stages
+    token-major only; the state kernels read token-major q, k only as row-factored terms."""
     from jaxcp.stages import stages_for
     with pytest.raises(ValueError, match="token_major"):
         stages_for("xla", "float32", True)
+    layout, chunks, _ = token_layout(64, 16)
     q, k, v, g, beta, _ = make_inputs("kda", 1, 64, 1, 1, 16, 16)
-    tm = lambda x: x.reshape(1, 1, 64, *x.shape[2:])
     with pytest.raises(ValueError, match="token_major"):
-        stages_for("interpret", "float32", True).intra(*map(tm, (q, k, v, g, beta)), 0.25)
+        stages_for("interpret", "float32", True).intra(q, k, v, g, beta, 0.25, layout)
+    gdn = (q, k, v, g[..., :1], beta)
+    with pytest.raises(ValueError, match="token_major"):
+        stages_for("interpret", "float32", False).intra(*map(chunks, gdn), 0.25, layout)
+    terms = xla.intra_chunk(*map(chunks, gdn), 0.25)
+    with pytest.raises(ValueError, match="row-factored"):
+        pstate.state_last(terms, layout, None, jnp.zeros((1, 1, 16, 16)), token_major=True,
+                          interpret=True)
 
 
 def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():

@@ -1,7 +1,9 @@
 """Pallas (Triton-lowered) intra-chunk terms of GDN, one program per (chunk, batch, head).
 
-Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1), same layout: q, k
-[NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, 1], beta [NT, B, HV, C].
+Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1). The token tensors are
+read in place, token-major (q, k [B, T, HV, K], v [B, T, HV, V], g, beta [B, T, HV]; chunk c is
+the rows ``ChunkLayout.token_start[c]`` on, see ``jaxcp.pallas.tokens``); the terms are
+written in chunk layout, [NT, B, HV, C, ...].
 
 Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
@@ -35,7 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.l2norm import L2NORM_EPS
+from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.state import _bf16_dot, _dot, _params, fp32_precision
+from jaxcp.pallas.tokens import ChunkRows, Tile, has_table, slab_spec
 from jaxcp.vma import unify
 from jaxcp.xla.intra import ChunkTerms
 
@@ -90,11 +94,6 @@ def _unit_lower_inverse(a, dot):
     return inv
 
 
-def _cols(ref, j: int, n: int):
-    """Columns [j n, (j + 1) n) of a [rows, cols] tile ref."""
-    return ref.at[:, pl.ds(j * n, n)]
-
-
 def _col_blocks(d: int) -> int:
     """Columns per step of the kernels' loops over K and V (keeps tiles in registers)."""
     return min(d, 64)
@@ -130,37 +129,40 @@ def _gates(g) -> _Gates:
     return _Gates(G, jnp.exp(G), jnp.exp(total - G), jnp.exp(total))
 
 
-def _sum_dots(dot, rows_ref, tiles, n: int):
-    """sum_j rows[:, block j] @ tiles[j]^T over blocks j of n columns of rows_ref."""
+def _sum_dots(dot, x: Tile, ys, n: int):
+    """sum_j x[:, block j] @ ys[j]^T over blocks j of n columns of x (ys: loaded blocks)."""
     acc = None
-    for j, tile in enumerate(tiles):
-        term = dot(_cols(rows_ref, j, n)[...], tile[...].T)
+    for j, y in enumerate(ys):
+        term = dot(x.cols(j, n), y.T)
         acc = term if acc is None else acc + term
     return acc
 
 
-def _gram(x_ref, y_ref, dots: _Dots, bk: int):
-    """x y^T over the columns of two [C, K] tile refs, in blocks of bk columns."""
-    blocks = [_cols(y_ref, j, bk) for j in range(y_ref.shape[-1] // bk)]
-    return _sum_dots(dots.native, x_ref, blocks, bk)
+def _col_tiles(x: Tile, n: int):
+    """The blocks of n columns of x, loaded."""
+    return [x.cols(j, n) for j in range(x.width // n)]
 
 
-def _inverse(k_ref, beta, gates: _Gates, dots: _Dots, bk: int, rk=None):
+def _gram(x: Tile, y: Tile, dots: _Dots, bk: int):
+    """x y^T of two [C, K] tiles, in blocks of bk columns."""
+    return _sum_dots(dots.native, x, _col_tiles(y, bk), bk)
+
+
+def _inverse(k: Tile, beta, gates: _Gates, dots: _Dots, bk: int, rk=None):
     """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij), the keys scaled by rk
     (``_row_scale``) when it is given."""
-    kk = _scale_gram(_gram(k_ref, k_ref, dots, bk), rk, rk)
+    kk = _scale_gram(_gram(k, k, dots, bk), rk, rk)
     return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
 
 
-def _row_scale(ref, bk: int, normalize: bool):
-    """1 / sqrt(sum(x^2) + eps) of each row of a [C, d] tile ref ([C] float32), the L2 norm
+def _row_scale(x: Tile, bk: int, normalize: bool):
+    """1 / sqrt(sum(x^2) + eps) of each row of a [C, d] tile ([C] float32), the L2 norm
     that ``jaxcp.l2norm.l2_normalize`` applies, or None (no normalisation). The kernels fold
     it into the row scales they apply anyway, so that normalised q and k never go through
     memory."""
     if not normalize:
         return None
-    sq = sum(jnp.sum(jnp.square(_f32(_cols(ref, j, bk))), axis=1)
-             for j in range(ref.shape[-1] // bk))
+    sq = sum(jnp.sum(jnp.square(c.astype(jnp.float32)), axis=1) for c in _col_tiles(x, bk))
     return lax.rsqrt(sq + L2NORM_EPS)
 
 
@@ -174,89 +176,104 @@ def _times(row_vec, r):
     return row_vec if r is None else row_vec * r
 
 
-def _f32(ref):
-    return ref[...].astype(jnp.float32)
+def _chunk_rows(refs: list, C: int, table: bool) -> ChunkRows:
+    """The rows of this program's chunk (grid axis 0) in the token slabs: from the layout's
+    table (table: the two leading refs of `refs`, token_start and token_count [1, 1], are
+    taken off it), else c C on."""
+    if not table:
+        return ChunkRows(pl.program_id(0) * C, None, C)
+    start_ref, count_ref = refs.pop(0), refs.pop(0)
+    return ChunkRows(start_ref[0, 0], count_ref[0, 0], C)
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, q_rows_ref,
-                  k_rows_ref, *inv_ref, scale, dots, normalize):
-    g, beta = _f32(g_ref), _f32(beta_ref)
+def _with_table(layout: ChunkLayout, args: list) -> list:
+    """The layout's token_start, token_count before args when it places chunks by table."""
+    return [layout.token_start, layout.token_count] + args if has_table(layout) else args
+
+
+def _intra_kernel(*refs, scale, dots, normalize, table, C):
+    refs = list(refs)
+    rows = _chunk_rows(refs, C, table)
+    (q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, q_rows_ref, k_rows_ref,
+     decay_ref, *inv_ref) = refs
+    q, k, v = (Tile(r, rows) for r in (q_ref, k_ref, v_ref))
+    g = Tile(g_ref, rows).all().astype(jnp.float32)
+    beta = Tile(beta_ref, rows).all().astype(jnp.float32)
     gates = _gates(g)
-    bk, bv = _col_blocks(k_ref.shape[-1]), _col_blocks(v_ref.shape[-1])
-    rq, rk = _row_scale(q_ref, bk, normalize), _row_scale(k_ref, bk, normalize)
-    attn = _scale_gram(_gram(q_ref, k_ref, dots, bk), rq, rk) * gates.causal() * scale
+    bk, bv = _col_blocks(k.width), _col_blocks(v.width)
+    rq, rk = _row_scale(q, bk, normalize), _row_scale(k, bk, normalize)
+    attn = _scale_gram(_gram(q, k, dots, bk), rq, rk) * gates.causal() * scale
     attn_ref[...] = attn.astype(attn_ref.dtype)
     q_rows_ref[...] = _times(gates.eg * scale, rq)
     k_rows_ref[...] = _times(gates.tail, rk)
-    inv = _inverse(k_ref, beta, gates, dots, bk, rk)
+    decay_ref[...] = gates.last
+    inv = _inverse(k, beta, gates, dots, bk, rk)
     if inv_ref:
         inv_ref[0][...] = inv.astype(inv_ref[0].dtype)
-    _store_products(w_ref, inv * _times(beta * gates.eg, rk)[None, :], k_ref, dots, bk)
-    _store_products(u_ref, inv * beta[None, :], v_ref, dots, bv)
+    _store_products(Tile(w_ref), inv * _times(beta * gates.eg, rk)[None, :], k, dots, bk)
+    _store_products(Tile(u_ref), inv * beta[None, :], v, dots, bv)
 
 
-def _store_products(out_ref, a, x_ref, dots: _Dots, n: int):
-    """out = a @ x for an fp32 [C, C] a and [C, d] tile refs, in blocks of n columns."""
-    for j in range(x_ref.shape[-1] // n):
-        _cols(out_ref, j, n)[...] = dots.split(a, _cols(x_ref, j, n)[...]).astype(out_ref.dtype)
+def _store_products(out: Tile, a, x: Tile, dots: _Dots, n: int):
+    """out = a @ x for an fp32 [C, C] a and [C, d] tiles, in blocks of n columns."""
+    for j in range(x.width // n):
+        out.set_cols(j, n, dots.split(a, x.cols(j, n)))
 
 
 class _ChunkSpecs(NamedTuple):
     """BlockSpecs of a grid over (chunk, batch, head): `tile(d)` and `vec` for chunk terms
-    [NT, B, HV, C, d] and [NT, B, HV, C]; `token_tile(d)` and `token_vec` for the token
-    tensors (q, k, v, g, beta, do and their cotangents), in that layout too, or token-major
-    [B, NT, C, HV, d] and [B, NT, C, HV]: a reshape of [B, T, HV, d], no copy."""
+    [NT, B, HV, C, d] and [NT, B, HV, C]; `token(d)` for the slab of a token tensor
+    [B, T, HV, d] (d None: [B, T, HV]); `chunk_rows` for the layout's token_start and
+    token_count [NT, B]; `scalar` for [NT, B, HV]."""
     tile: Callable
     vec: pl.BlockSpec
-    token_tile: Callable
-    token_vec: pl.BlockSpec
+    token: Callable
+    chunk_rows: pl.BlockSpec
+    scalar: pl.BlockSpec
 
 
-def _chunk_specs(C: int, token_major: bool) -> _ChunkSpecs:
-    tile = lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h: (t, b, h, 0, 0))
-    vec = pl.BlockSpec((None, None, None, C), lambda t, b, h: (t, b, h, 0))
-    if not token_major:
-        return _ChunkSpecs(tile, vec, tile, vec)
-    token_tile = lambda d: pl.BlockSpec((None, None, C, None, d),
-                                        lambda t, b, h: (b, t, 0, h, 0))
-    token_vec = pl.BlockSpec((None, None, C, None), lambda t, b, h: (b, t, 0, h))
-    return _ChunkSpecs(tile, vec, token_tile, token_vec)
+def _chunk_specs(C: int, T: int) -> _ChunkSpecs:
+    return _ChunkSpecs(
+        tile=lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h: (t, b, h, 0, 0)),
+        vec=pl.BlockSpec((None, None, None, C), lambda t, b, h: (t, b, h, 0)),
+        token=lambda d: slab_spec(T, d, lambda t, b, h: (b, h, 0)),
+        chunk_rows=pl.BlockSpec((1, 1), lambda t, b, h: (t, b)),
+        scalar=pl.BlockSpec((None, None, None), lambda t, b, h: (t, b, h)),
+    )
 
 
-def token_dims(x, token_major: bool) -> tuple[int, int, int, int]:
-    """(NT, B, HV, C) of a token tensor in chunk layout or token-major."""
-    if token_major:
-        B, NT, C, HV = x.shape[:4]
-        return NT, B, HV, C
-    return x.shape[:4]
-
-
-def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
-                token_major: bool = False, interpret: bool = False, precise: bool = True,
+def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int, *,
+                with_inverse: bool = False, interpret: bool = False, precise: bool = True,
                 out_dtype=jnp.float32, normalize_qk: bool = False) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk for GDN (g [..., C, 1]), in the row-factored form of
-    ``ChunkTerms`` (qg, kd are q, k as given). q, k, v, g, beta in chunk layout or, with
-    token_major, [B, NT, C, HV, ...]; w, u, attn, inv in chunk layout. precise: fp32
+    """Twin of xla.intra.intra_chunk for GDN, in the row-factored form of ``ChunkTerms``
+    (qg, kd are q, k as given). q, k, v, g, beta are token-major, [B, T, HV, ...] with g
+    [B, T, HV] or [B, T, HV, 1], chunk c being chunk_size rows from layout.token_start[c]
+    (``jaxcp.pallas.tokens``); w, u, attn, inv, decay and the row factors are in chunk
+    layout [NT, B, HV, ...]. precise: fp32
     inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
     out_dtype is the dtype of w, u, attn and inv (decay and the row factors stay float32).
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows)."""
-    NT, B, HV, C = token_dims(k, token_major)
-    K, V = k.shape[-1], v.shape[-1]
-    sp = _chunk_specs(C, token_major)
-    args, mat = unify([q, k, v, g[..., 0], beta])
+    B, T, HV, K = k.shape
+    V = v.shape[-1]
+    NT = layout.chunk_starts.shape[0]
+    C = chunk_size
+    sp = _chunk_specs(C, T)
+    g = g.reshape(B, T, HV)
+    table = has_table(layout)
+    args, mat = unify(_with_table(layout, [q, k, v, g, beta]))
     out = lambda *s, dtype=out_dtype: jax.ShapeDtypeStruct((NT, B, HV) + s, dtype,
                                                            manual_axis_type=mat)
     tiles = [(C, K), (C, V), (C, C)]
-    w, u, attn, q_rows, k_rows, *inv = pl.pallas_call(
+    w, u, attn, q_rows, k_rows, decay, *inv = pl.pallas_call(
         partial(_intra_kernel, scale=scale, dots=_dots(precise, interpret),
-                normalize=normalize_qk), grid=(NT, B, HV),
-        in_specs=[sp.token_tile(K), sp.token_tile(K), sp.token_tile(V), sp.token_vec,
-                  sp.token_vec],
-        out_specs=[sp.tile(d) for _, d in tiles] + [sp.vec] * 2 + [sp.tile(C)] * with_inverse,
+                normalize=normalize_qk, table=table, C=C), grid=(NT, B, HV),
+        in_specs=[sp.chunk_rows] * (2 * table) + [sp.token(K), sp.token(K), sp.token(V),
+                                                  sp.token(None), sp.token(None)],
+        out_specs=([sp.tile(d) for _, d in tiles] + [sp.vec] * 2 + [sp.scalar]
+                   + [sp.tile(C)] * with_inverse),
         out_shape=([out(*s) for s in tiles] + [out(C, dtype=jnp.float32)] * 2
-                   + [out(C, C)] * with_inverse),
+                   + [out(dtype=jnp.float32)] + [out(C, C)] * with_inverse),
         **_params(interpret, 0))(*args)
-    g_sum = jnp.sum(g.astype(jnp.float32), axis=2 if token_major else -2)
-    decay = jnp.exp(jnp.swapaxes(g_sum, 0, 1) if token_major else g_sum)
-    return ChunkTerms(w=w, u=u, qg=args[0], kd=args[1], decay=decay, attn=attn,
+    q, k = args[2 * table:][:2]
+    return ChunkTerms(w=w, u=u, qg=q, kd=k, decay=decay[..., None], attn=attn,
                       inv=inv[0] if inv else None, q_rows=q_rows, k_rows=k_rows)

@@ -4,7 +4,8 @@ Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis
 batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
 [NT, B, HV, Kg]; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
 with token_major, ``state_output``'s o, ``state_bwd``'s do and the bare q, k of row-factored
-terms are token-major, [B, NT, C, HV, ...].
+terms are token-major, [B, T, HV, ...], chunk c at the rows ``layout.token_start[c]`` on
+(``jaxcp.pallas.tokens``).
 
 One program per (batch, value head, block of BV state columns) runs a fori_loop over the
 chunks with its [K, BV] slice of the state in fp32 registers:
@@ -42,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxcp.layout import ChunkLayout
+from jaxcp.pallas.tokens import ChunkRows, has_table, slab_spec
 from jaxcp.vma import unify, vary_like
 from jaxcp.xla.intra import ChunkTerms
 
@@ -136,6 +138,39 @@ def _span_loop(span_ref, nt: int, body, init):
     return lax.fori_loop(first, nt, body, jnp.where(first == 0, init, 0.0))
 
 
+class _TokenRows(NamedTuple):
+    """Where the chunks of the token slabs are: the layout's token_start, token_count refs
+    [NT], or None (chunk i is the rows [i C, (i + 1) C))."""
+    start_ref: object | None
+    count_ref: object | None
+    size: int
+
+    def at(self, i) -> ChunkRows:
+        if self.start_ref is None:
+            return ChunkRows(i * self.size, None, self.size)
+        return ChunkRows(self.start_ref[i], self.count_ref[i], self.size)
+
+    def load(self, ref, i):
+        """Chunk i of a token slab [T, d], zero past its tokens."""
+        return self.at(i).load(ref)
+
+    def store(self, ref, i, value):
+        self.at(i).store(ref, value)
+
+
+def _token_rows(it, token_major: bool, table: bool, C: int) -> _TokenRows | None:
+    """The _TokenRows of a kernel (token_major), taking the table's refs from the iterator
+    of its refs when the layout has one."""
+    if not token_major:
+        return None
+    return _TokenRows(next(it), next(it), C) if table else _TokenRows(None, None, C)
+
+
+def _chunk_of(ref, i, rows: _TokenRows | None):
+    """Chunk i of a chunk-layout block [NT, C, d] (rows None) or of a token slab."""
+    return ref[i] if rows is None else rows.load(ref, i)
+
+
 def _decay(dec_ref, i, gdn: bool):
     """exp(G_C) of chunk i as a column to scale rows of the state: [1, 1] or [K, 1]."""
     if gdn:
@@ -146,10 +181,10 @@ def _decay(dec_ref, i, gdn: bool):
 class _Specs(NamedTuple):
     """BlockSpecs of the grid (batch, value head, block of BV state columns)."""
     chunk_k: pl.BlockSpec      # [NT, C, K] tiles of one head
-    token_k: pl.BlockSpec      # [NT, C, K] bare q, k: chunk_k, or from [B, NT, C, HV, K]
+    token_k: pl.BlockSpec      # bare q, k: chunk_k, or the [T, K] slab of [B, T, HV, K]
     rows: pl.BlockSpec         # [NT, C] row factors
     chunk_v: pl.BlockSpec      # [NT, C, BV]
-    token_v: pl.BlockSpec      # [NT, C, BV] of o or do: chunk_v, or from [B, NT, C, HV, V]
+    token_v: pl.BlockSpec      # o or do: chunk_v, or the [T, BV] slab of [B, T, HV, V]
     chunk_cc: pl.BlockSpec     # [NT, C, C]
     chunk_state: pl.BlockSpec  # [NT, K, BV]
     per_chunk: pl.BlockSpec    # [NT] layout fields of one batch row
@@ -159,17 +194,16 @@ class _Specs(NamedTuple):
     span: pl.BlockSpec         # [1] of a [B] loop span
 
 
-def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _Specs:
+def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, T: int | None) -> _Specs:
+    """T: the token slabs' length (token-major), or None (chunk layout)."""
     chunk_v = pl.BlockSpec((NT, None, None, C, BV), lambda b, h, j: (0, b, h, 0, j))
     chunk_k = pl.BlockSpec((NT, None, None, C, K), lambda b, h, j: (0, b, h, 0, 0))
     return _Specs(
         chunk_k=chunk_k,
-        token_k=(pl.BlockSpec((None, NT, C, None, K), lambda b, h, j: (b, 0, 0, h, 0))
-                 if token_major else chunk_k),
+        token_k=chunk_k if T is None else slab_spec(T, K, lambda b, h, j: (b, h, 0)),
         rows=pl.BlockSpec((NT, None, None, C), lambda b, h, j: (0, b, h, 0)),
         chunk_v=chunk_v,
-        token_v=(pl.BlockSpec((None, NT, C, None, BV), lambda b, h, j: (b, 0, 0, h, j))
-                 if token_major else chunk_v),
+        token_v=chunk_v if T is None else slab_spec(T, BV, lambda b, h, j: (b, h, j)),
         chunk_cc=pl.BlockSpec((NT, None, None, C, C), lambda b, h, j: (0, b, h, 0, 0)),
         chunk_state=pl.BlockSpec((NT, None, None, K, BV), lambda b, h, j: (0, b, h, 0, j)),
         per_chunk=pl.BlockSpec((NT, None), lambda b, h, j: (0, b)),
@@ -183,12 +217,28 @@ def _specs(NT: int, C: int, K: int, BV: int, gdn: bool, token_major: bool) -> _S
 
 def _setup(terms: ChunkTerms, cols: int, token_major: bool = False):
     """Shapes, state-column block, gate kind, decay operand and BlockSpecs of one call over
-    `cols` state columns (token_major: o or do is [B, NT, C, HV, V])."""
+    `cols` state columns (token_major: the bare q, k of the terms and o or do are
+    [B, T, HV, ...])."""
     NT, B, HV, C, K = terms.w.shape
     BV = _block_cols(cols, K)
     gdn = terms.decay.shape[-1] == 1
     decay = terms.decay[..., 0] if gdn else terms.decay
-    return (NT, B, HV, C, K), BV, gdn, decay, _specs(NT, C, K, BV, gdn, token_major)
+    if token_major and terms.q_rows is None:
+        raise ValueError("terms: token_major needs the row-factored terms of the Pallas intra "
+                         "kernel (bare q, k token-major)")
+    T = terms.qg.shape[1] if token_major else None
+    return (NT, B, HV, C, K), BV, gdn, decay, _specs(NT, C, K, BV, gdn, T)
+
+
+def _with_token_rows(sp: _Specs, in_specs: list, args: list, layout: ChunkLayout,
+                     token_major: bool) -> bool:
+    """Append the layout's token_start, token_count for ``_TokenRows`` (token_major, and the
+    layout places chunks by table). Returns whether it did."""
+    table = token_major and has_table(layout)
+    if table:
+        in_specs += [sp.per_chunk, sp.per_chunk]
+        args += [layout.token_start, layout.token_count]
+    return table
 
 
 def _with_carry(sp: _Specs, in_specs: list, args: list, carry):
@@ -215,10 +265,12 @@ def _per_seq_output(sp: _Specs, in_specs: list, args: list, n_seqs: int, cols: i
 
 
 def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output, with_finals,
-                split_state, spanned, interpret):
+                split_state, spanned, token_major, table, interpret):
     dot = partial(_dot, interpret=interpret, split=split_state)
     it = iter(refs)
     w_ref, kd_ref, dec_ref, starts_ref, seq_ref = (next(it) for _ in range(5))
+    rows = _token_rows(it, token_major, table, w_ref.shape[1])
+    qk_rows = rows if factored else None
     k_rows_ref = next(it) if factored else None
     u_ref = next(it) if has_u else None
     qg_ref, attn_ref, ends_ref = (next(it) for _ in range(3)) if with_output else (None,) * 3
@@ -246,10 +298,14 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
         if store_h:
             vn_ref[i] = v_new.astype(vn_ref.dtype)
         if with_output:
-            o = _scale_rows(dot(qg_ref[i], state), q_rows_ref, i) + dot(attn_ref[i], v_new)
-            o_ref[i] = o.astype(o_ref.dtype)
+            o = (_scale_rows(dot(_chunk_of(qg_ref, i, qk_rows), state), q_rows_ref, i)
+                 + dot(attn_ref[i], v_new))
+            if rows is None:
+                o_ref[i] = o.astype(o_ref.dtype)
+            else:
+                rows.store(o_ref, i, o)
         out = (_decay(dec_ref, i, gdn) * state
-               + dot(kd_ref[i].T, _scale_rows(v_new, k_rows_ref, i)))
+               + dot(_chunk_of(kd_ref, i, qk_rows).T, _scale_rows(v_new, k_rows_ref, i)))
         if with_finals:
             @pl.when(ends_ref[i] != 0)
             def _():
@@ -264,10 +320,11 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
                  token_major: bool = False, split_state: bool = False,
                  span: jax.Array | None = None):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
-    the transition with u = 0); with_output adds o (token_major: [B, NT, C, HV, V]),
+    the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
     bf16 parts each (``_dot``); span ([B], ``_span_loop``): loop over those chunks only (only
-    the last state is then meaningful). Returns the outputs in the order (h, v_new), o, finals, last state."""
+    the last state is then meaningful). Returns the outputs in the order (h, v_new), o,
+    finals, last state."""
     cols = h0.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, cols, token_major)
     has_init = init is not None
@@ -277,6 +334,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
                 sp.per_chunk]
     args = [*_tiles(dot_dtype, terms.w, terms.kd), decay, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_seq]
+    table = _with_token_rows(sp, in_specs, args, layout, token_major)
     if factored:
         in_specs.append(sp.rows)
         args.append(terms.k_rows)
@@ -308,7 +366,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
                       struct(NT, B, HV, C, cols, dtype=dot_dtype)]
     if with_output:
         out_specs.append(sp.token_v)
-        o_shape = (B, NT, C, HV, cols) if token_major else (NT, B, HV, C, cols)
+        o_shape = (B, terms.qg.shape[1], HV, cols) if token_major else (NT, B, HV, C, cols)
         out_shape.append(struct(*o_shape, dtype=terms.u.dtype))
     if with_finals:
         out_specs.append(sp.seq_state(n_seqs))
@@ -318,7 +376,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, u_cols: bo
     kernel = partial(_fwd_kernel, nt=NT, gdn=gdn, has_u=u_cols, has_init=has_init,
                      factored=factored, store_h=store_h, with_output=with_output,
                      with_finals=with_finals, split_state=split_state,
-                     spanned=span is not None, interpret=interpret)
+                     spanned=span is not None, token_major=token_major, table=table,
+                     interpret=interpret)
     tile_bytes = C * (2 * K + BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, input_output_aliases=aliases,
@@ -330,7 +389,7 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, token_major=Fals
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
-    Returns (o [NT, B, HV, C, V], or [B, NT, C, HV, V] with token_major, in the dtype of u;
+    Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in the dtype of u;
     finals [N, HV, K, V] or None)."""
     out = _run_forward(terms, layout, init, h0, u_cols=True, store_h=False, interpret=interpret,
                        dot_dtype=dot_dtype, with_output=True, with_finals=with_finals,
@@ -371,11 +430,14 @@ def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
     return ext, m
 
 
-def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, interpret):
+def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, token_major,
+                table, interpret):
     dot = partial(_dot, interpret=interpret)
     it = iter(refs)
     w_ref, kd_ref, qg_ref, attn_ref, dec_ref, do_ref, starts_ref, ends_ref, seq_ref = (
         next(it) for _ in range(9))
+    rows = _token_rows(it, token_major, table, w_ref.shape[1])
+    qk_rows = rows if factored else None
     q_rows_ref, k_rows_ref = (next(it), next(it)) if factored else (None, None)
     final_ref = next(it) if has_final else None
     span_ref = next(it) if entry_only else None
@@ -394,9 +456,11 @@ def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, in
         x = carry
         if has_final:
             x = x + jnp.where(ends_ref[i] != 0, final_ref[seq_ref[i]], 0.0)
-        do = do_ref[i]
-        dvn = dot(attn_ref[i].T, do) + _scale_rows(dot(kd_ref[i], x), k_rows_ref, i)
-        dh = (_decay(dec_ref, i, gdn) * x + dot(qg_ref[i].T, _scale_rows(do, q_rows_ref, i))
+        do = _chunk_of(do_ref, i, rows)
+        dvn = (dot(attn_ref[i].T, do)
+               + _scale_rows(dot(_chunk_of(kd_ref, i, qk_rows), x), k_rows_ref, i))
+        dh = (_decay(dec_ref, i, gdn) * x
+              + dot(_chunk_of(qg_ref, i, qk_rows).T, _scale_rows(do, q_rows_ref, i))
               - dot(w_ref[i].T, dvn))
         start = starts_ref[i] != 0
         if not entry_only:
@@ -416,7 +480,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
               interpret: bool = False, dot_dtype=jnp.float32):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
     X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
-    layout or, with token_major, [B, NT, C, HV, V]."""
+    layout or, with token_major, [B, T, HV, V]."""
     V = do.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V, token_major)
     factored = terms.k_rows is not None
@@ -428,6 +492,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
     w, kd, qg, attn, do = _tiles(dot_dtype, terms.w, terms.kd, terms.qg, terms.attn, do)
     args = [w, kd, qg, attn, decay, do, layout.chunk_starts.astype(jnp.int32),
             layout.chunk_ends.astype(jnp.int32), layout.chunk_seq]
+    table = _with_token_rows(sp, in_specs, args, layout, token_major)
     if factored:
         in_specs += [sp.rows, sp.rows]
         args += [terms.q_rows, terms.k_rows]
@@ -449,7 +514,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
                       struct(NT, B, HV, C, V, dtype=dot_dtype)]
                      + [struct(n_seqs, HV, K, V)] * with_d_init + [struct(B, HV, K, V)])
     kernel = partial(_bwd_kernel, nt=NT, gdn=gdn, factored=factored, has_final=has_final,
-                     entry_only=entry_only, with_d_init=with_d_init, interpret=interpret)
+                     entry_only=entry_only, with_d_init=with_d_init,
+                     token_major=token_major, table=table, interpret=interpret)
     tile_bytes = C * (3 * K + C + BV) * jnp.dtype(dot_dtype).itemsize
     out = pl.pallas_call(kernel, grid=(B, HV, V // BV), in_specs=in_specs, out_specs=out_specs,
                          out_shape=out_shape, input_output_aliases=aliases,

@@ -1,0 +1,107 @@
+"""Token-major tensors inside the Pallas kernels: chunks read and written in place.
+
+A token tensor x [B, T, HV, d] (or [B, T, HV] for g, beta and their cotangents) is handed
+to a kernel as the [T, d] (or [T]) slab of one (batch, head); chunk c of that slab is its
+rows [start_c, start_c + C), of which the first count_c are the chunk's tokens
+(``ChunkLayout.token_start``, ``token_count``). Reads give zeros in the rows past count_c,
+the padding tokens (q = k = v = g = beta = 0) that leave the state unchanged; writes touch
+only the first count_c rows. So packed sequences, whose chunks start at any token and end
+early, need no gathered copy, and neither does T % C != 0.
+
+Where the layout has no such table (every chunk whole, at c C), the rows are c C on and
+nothing is masked: those loads are the plain block loads of a chunk-layout kernel.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+def slab_spec(T: int, d: int | None, index_map) -> pl.BlockSpec:
+    """BlockSpec of the whole [T, d] (d None: [T]) slab of one (batch, head) of a
+    [B, T, HV, d] token tensor; index_map returns (batch, head, column block)."""
+    if d is None:
+        return pl.BlockSpec((None, T, None), lambda *ids: _slab_index(index_map(*ids))[:3])
+    return pl.BlockSpec((None, T, None, d), lambda *ids: _slab_index(index_map(*ids)))
+
+
+def _slab_index(bhj):
+    b, h, j = bhj
+    return b, 0, h, j
+
+
+def has_table(layout) -> bool:
+    """Whether the layout places chunks by table (packed sequences, or T % C != 0)."""
+    return layout.token_start is not None
+
+
+class ChunkRows(NamedTuple):
+    """The rows of one chunk in a token slab: first row `start`, `count` real rows of C
+    (None: all C, no mask)."""
+    start: jax.Array
+    count: jax.Array | None
+    size: int
+
+    def _at(self, ref, cols):
+        rows = pl.ds(self.start, self.size)
+        if len(ref.shape) == 1:
+            return ref.at[rows], (self.size,)
+        first, n = cols if cols is not None else (0, ref.shape[1])
+        return ref.at[rows, pl.ds(first, n)], (self.size, n)
+
+    def _mask(self, shape):
+        return lax.broadcasted_iota(jnp.int32, shape, 0) < self.count
+
+    def load(self, ref, cols: tuple[int, int] | None = None) -> jax.Array:
+        """The chunk's [C, n] tile of columns cols = (first, n) (all columns if None), or
+        its [C] vector of a [T] slab; zero in the rows past count."""
+        at, shape = self._at(ref, cols)
+        if self.count is None:
+            return at[...]
+        return pltriton.load(at, mask=self._mask(shape), other=0)
+
+    def store(self, ref, value: jax.Array, cols: tuple[int, int] | None = None) -> None:
+        """Write the first count rows of value [C, n] (or [C]) to the chunk's rows."""
+        at, shape = self._at(ref, cols)
+        if self.count is None:
+            at[...] = value.astype(ref.dtype)
+        else:
+            pltriton.store(at, value.astype(ref.dtype), mask=self._mask(shape))
+
+
+class Tile(NamedTuple):
+    """A chunk's [C, d] tile (or [C] vector) behind one interface: a block ref of the chunk
+    layout (rows None) or the chunk's rows of a token slab."""
+    ref: object
+    rows: ChunkRows | None = None
+
+    @property
+    def width(self) -> int:
+        return self.ref.shape[-1]
+
+    def cols(self, j: int, n: int) -> jax.Array:
+        """Columns [j n, (j + 1) n) as stored."""
+        if self.rows is None:
+            return self.ref[:, pl.ds(j * n, n)]
+        return self.rows.load(self.ref, (j * n, n))
+
+    def all(self) -> jax.Array:
+        """The whole tile (or vector) as stored."""
+        return self.ref[...] if self.rows is None else self.rows.load(self.ref)
+
+    def set_cols(self, j: int, n: int, value: jax.Array) -> None:
+        if self.rows is None:
+            self.ref[:, pl.ds(j * n, n)] = value.astype(self.ref.dtype)
+        else:
+            self.rows.store(self.ref, value, (j * n, n))
+
+    def set_all(self, value: jax.Array) -> None:
+        if self.rows is None:
+            self.ref[...] = value.astype(self.ref.dtype)
+        else:
+            self.rows.store(self.ref, value)
