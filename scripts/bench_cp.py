@@ -194,8 +194,8 @@ def report(path: str) -> None:
     lines = ["# Context-parallel GDN benchmark", "",
              f"Device: {W} x {records[0]['device']}; T = {records[0]['T']}, H = {records[0]['H']}, "
              f"K = V = {records[0]['K']}, bf16, B = 1. rate = (t_none / W) / t.", "",
-             "Command: `python scripts/bench_cp.py --json docs/benchmarks/cp.json` on the GPUs, "
-             "then `--report docs/benchmarks/cp.json`.", "",
+             f"Command: `python scripts/bench_cp.py --json {path}` on the GPUs, "
+             f"then `--report {path}` (the notes below say which strategies ran).", "",
              "overhead = t - t_none / W: what CP adds to this device's share of the work "
              "(summary, collectives, merge).", "",
              "| impl | strategy | sequences | pass | ms | rate | overhead ms |",
