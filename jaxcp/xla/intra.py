@@ -40,10 +40,11 @@ class ChunkTerms(NamedTuple):
     cotangents read it instead of inverting again), else None.
 
     Row-factored form (the Pallas GDN intra kernel): q_rows, k_rows [..., C] are given and
-    qg, kd hold the bare q and k, in the layout the token tensors have (token-major [B, NT,
-    C, HV, K] when the stages run token-major); the terms are q_rows[..., None] * qg and
-    k_rows[..., None] * kd. The state kernels scale rows of their products instead, so the
-    scaled [C, K] tiles are never written. ``tiles`` gives the plain form.
+    qg, kd hold the bare q and k as the kernels read them, token-major [B, T, HV, K] (chunk c
+    at the layout's token offsets); the terms are q_rows[..., None] * qg and
+    k_rows[..., None] * kd on each chunk's rows. The state kernels scale rows of their
+    products instead, so the scaled [C, K] tiles are never written. ``tiles`` gives the
+    plain form of terms whose qg, kd are in chunk layout.
     """
     w: jax.Array
     u: jax.Array
