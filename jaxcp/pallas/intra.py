@@ -1,9 +1,9 @@
 """Pallas (Triton-lowered) intra-chunk terms of GDN, one program per (chunk, batch, head).
 
 Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1). The token tensors are
-read in place, token-major (q, k [B, T, HV, K], v [B, T, HV, V], g, beta [B, T, HV]; chunk c is
-the rows ``ChunkLayout.token_start[c]`` on, see ``jaxcp.pallas.tokens``); the terms are
-written in chunk layout, [NT, B, HV, C, ...].
+read in place, token-major: q, k [B, T, HV, K], v [B, T, HV, V], g, beta [B, T, HV], chunk c
+the rows from ``ChunkLayout.token_start[c]`` on (from c C without a table; see
+``jaxcp.pallas.tokens``). The terms are written in chunk layout, [NT, B, HV, C, ...].
 
 Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
@@ -248,9 +248,9 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     """Twin of xla.intra.intra_chunk for GDN, in the row-factored form of ``ChunkTerms``
     (qg, kd are q, k as given). q, k, v, g, beta are token-major, [B, T, HV, ...] with g
     [B, T, HV] or [B, T, HV, 1], chunk c being chunk_size rows from layout.token_start[c]
-    (``jaxcp.pallas.tokens``); w, u, attn, inv, decay and the row factors are in chunk
-    layout [NT, B, HV, ...]. precise: fp32
-    inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
+    (from c chunk_size when the layout has no table; ``jaxcp.pallas.tokens``); w, u,
+    attn, inv, decay and the row factors are in chunk layout [NT, B, HV, ...]. precise:
+    fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
     out_dtype is the dtype of w, u, attn and inv (decay and the row factors stay float32).
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows)."""
     B, T, HV, K = k.shape

@@ -5,7 +5,7 @@ batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
 [NT, B, HV, Kg]; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
 with token_major, ``state_output``'s o, ``state_bwd``'s do and the bare q, k of row-factored
 terms are token-major, [B, T, HV, ...], chunk c at the rows ``layout.token_start[c]`` on
-(``jaxcp.pallas.tokens``).
+(c C without a table; ``jaxcp.pallas.tokens``).
 
 One program per (batch, value head, block of BV state columns) runs a fori_loop over the
 chunks with its [K, BV] slice of the state in fp32 registers:
