@@ -47,3 +47,31 @@ def test_chunk_gathers_transpose_to_gathers():
     np.testing.assert_array_equal(got, want)
     assert "scatter" not in str(jax.make_jaxpr(jax.grad(
         lambda a: jnp.sum(from_chunks(to_chunks(a, tm, NT, 16), tm, 70) ** 2)))(x))
+
+
+@pytest.mark.parametrize("device, cu", [(0, None), (1, [0, 1, 20, 37, 70, 90, 100, 140]),
+                                        (0, [0, 1, 20, 37, 70, 90, 100, 140])])
+def test_token_table_places_every_token_once(device, cu):
+    """The token table the in-place kernels read: chunk c holds the local tokens
+    [token_start, token_start + token_count), in order, of one sequence each, the same
+    tokens as the padded chunk layout's slots; unused chunks hold none. Without cu_seqlens
+    and T % C != 0 the last chunk is short; T % C == 0 needs no table."""
+    import numpy as np
+
+    T, C = 70, 16
+    cua = None if cu is None else jnp.asarray(cu, jnp.int32)
+    layout, tm = build_layout(1, T, C, cua, device * T, 2 * T)
+    start = np.asarray(layout.token_start[:, 0])
+    count = np.asarray(layout.token_count[:, 0])
+    tokens = np.concatenate([np.arange(s, s + n) for s, n in zip(start, count)])
+    np.testing.assert_array_equal(tokens, np.arange(T))
+    assert count.min() >= 0 and count.max() <= C
+    if cu is not None:
+        slots = np.asarray(tm.slot_token).reshape(-1, C)
+        for c in range(len(start)):
+            mine = np.arange(start[c], start[c] + count[c])
+            np.testing.assert_array_equal(slots[c, :count[c]], mine)
+            assert (slots[c, count[c]:] == -1).all()
+            owner = np.searchsorted(np.asarray(cu)[1:], device * T + mine, side="right")
+            assert len(set(owner)) <= 1
+    assert build_layout(2, 64, C, None, 0, 64)[0].token_start is None
