@@ -7,8 +7,12 @@ and head all-to-all.
 bf16, B = 1, q/k L2-normalised before the timed calls (jaxcp and FLA alike, as FLA's CP
 benchmark does; the norm is not part of the times); one sequence and a packed set of 10.
 "none" runs the whole sequence on one device; the CP strategies split it over all W.
-rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes under torchrun, so that JAX
-has the GPUs afterwards. Each time is the median of --iters calls after warm-up.
+rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes
+under torchrun, so that JAX has the GPUs afterwards. Each time is per call, for calls queued back to back (GPU time):
+the median of --iters rounds of 4 calls, by CUDA events for FLA and
+``jax_timing.pipelined_ms`` for jaxcp. Records made before pipelined_ms timed one call at a
+time (events around it for FLA, the wall clock with a wait for jaxcp, which adds the
+dispatch and the wait, 0.13-0.2 ms per jitted call on these machines).
 """
 from __future__ import annotations
 
@@ -54,7 +58,8 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
 
-    def timeit(fn):
+    def timeit(fn, calls=4):
+        # CUDA events around `calls` queued calls, per call: as jax_timing.pipelined_ms
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -62,8 +67,11 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
         for _ in range(iters):
             dist.barrier()
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record(); fn(); end.record(); torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record(); torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
         t = torch.tensor([statistics.median(times)], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()

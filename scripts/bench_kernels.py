@@ -8,9 +8,11 @@ same GPU, before JAX takes the device; it is skipped (with a note) when it canno
 FLA is timed with q, k normalised by torch (F.normalize before the op) and by its
 fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
-Each time is the median of --iters timed calls after warm-up, a call being the jitted forward
-(returns o) or forward+backward (gradients of q, k, v, g, beta for a random output
-cotangent).
+A call is the jitted forward (returns o) or forward+backward (gradients of q, k, v, g, beta
+for a random output cotangent). Both sides time the GPU's time per call, calls queued back
+to back: FLA by triton's do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of
+--iters rounds of 4 queued calls). Records made before pipelined_ms waited for every jaxcp
+call, which adds the dispatch and the wait (0.13-0.2 ms per jitted call on these machines).
 """
 from __future__ import annotations
 
