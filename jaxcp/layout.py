@@ -41,8 +41,8 @@ class ChunkLayout(NamedTuple):
     chunk_ends: jax.Array
     seq_last_chunk: jax.Array
     seq_ends_here: jax.Array
-    token_start: jax.Array
-    token_count: jax.Array
+    token_start: jax.Array | None
+    token_count: jax.Array | None
 
 
 class TokenMap(NamedTuple):

@@ -63,18 +63,17 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     layout, token_map = build_layout(B, T, chunk_size, cu_seqlens, device_start, T * world)
-    NT = num_chunks(T, chunk_size, n_seqs)
     # the GDN kernels read and write each chunk's tokens where they are, packed or not
-    token_major = gdn_kernels
-    if token_major:
+    if gdn_kernels:
         chunk = unchunk = lambda x: x
     else:
+        NT = num_chunks(T, chunk_size, n_seqs)
         chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
         unchunk = lambda y: from_chunks(y, token_map, T)
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, backend=backend, dot_dtype=dot_dtype,
-                     token_major=token_major, normalize_qk=normalize_in_kernels,
+                     token_major=gdn_kernels, normalize_qk=normalize_in_kernels,
                      chunk_size=chunk_size)
     o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(io)), chunk(g),
                                 chunk(f32(beta)), init, layout)

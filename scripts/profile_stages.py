@@ -88,13 +88,13 @@ def main(argv=None):
     norm_inside = D <= NORMALIZE_IN_KERNELS_MAX_K
     if not norm_inside:
         q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
-    chunks = (q, k, v, g, beta)
+    token_args = (q, k, v, g, beta)
     pallas = dict(interpret=args.interpret, normalize_qk=norm_inside)
     intra = partial(pintra.intra_chunk, scale=scale, layout=layout, chunk_size=C, precise=False,
                     out_dtype=bf16, **pallas)
-    timed("intra_chunk", lambda *xs: intra(*xs), *chunks)
+    timed("intra_chunk", lambda *xs: intra(*xs), *token_args)
     terms = timed("intra_chunk with the inverse (backward)",
-                  lambda *xs: intra(*xs, with_inverse=True), *chunks)
+                  lambda *xs: intra(*xs, with_inverse=True), *token_args)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
     kw = dict(dot_dtype=bf16, interpret=args.interpret, token_major=True)
     output = lambda t: pstate.state_output(t, layout, None, h0, False, **kw)[0]
@@ -106,17 +106,17 @@ def main(argv=None):
         t, layout, d, None, h0, **kw), terms, do)
     grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:], precise=False,
                                            **pallas)
-    timed("chunk_grads", grads, *chunks, terms, h, vn, x, dvn, do)
+    timed("chunk_grads", grads, *token_args, terms, h, vn, x, dvn, do)
 
     if args.variants:
-        timed("variant: to_chunks (chunk layout: pad + transpose)", lambda *xs: tuple(
+        timed("variant: to_chunks (the padded chunk layout, a gather)", lambda *xs: tuple(
             to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
         # the other side of NORMALIZE_IN_KERNELS_MAX_K: kernels normalising q, k or not
         if norm_inside:
             timed("variant: l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), raw_q, raw_k)
         other = dict(pallas, normalize_qk=not norm_inside)
         qk = (raw_q, raw_k) if other["normalize_qk"] else (l2(raw_q), l2(raw_k))
-        flipped = qk + chunks[2:]
+        flipped = qk + token_args[2:]
         how = "normalising q, k" if other["normalize_qk"] else "on q, k normalised by XLA"
         timed(f"variant: intra_chunk {how}", lambda *xs: pintra.intra_chunk(
             *xs, scale, layout, C, precise=False, out_dtype=bf16, **other), *flipped)
@@ -133,10 +133,10 @@ def main(argv=None):
                 "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
             pintra._params, pgrads._params, pstate._params = params, params, params
             timed(f"variant: intra_chunk {warps} warps, {stages} stages",
-                  lambda *xs: intra(*xs), *chunks)
+                  lambda *xs: intra(*xs), *token_args)
             timed(f"variant: state_output {warps} warps, {stages} stages", output, terms)
             timed(f"variant: chunk_grads {warps} warps, {stages} stages", grads,
-                  *chunks, terms, h, vn, x, dvn, do)
+                  *token_args, terms, h, vn, x, dvn, do)
         import importlib
         for mod in (pstate, pintra, pgrads):
             importlib.reload(mod)
