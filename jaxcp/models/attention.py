@@ -7,8 +7,11 @@ from flax import nnx
 from jax import lax
 
 from jaxcp.layout import sequence_of
+from jaxcp.models import cudnn_pieces
+from jaxcp.models.attention_pieces import AttentionPieces, DensePieces
 from jaxcp.models.blockwise import blockwise_attention
 from jaxcp.models.enter import call_with_cp
+from jaxcp.models.prefix_attention import gathered_causal_attention
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -25,13 +28,14 @@ class CausalSelfAttention(nnx.Module):
     """softmax(q k^T / sqrt(D) + causal/segment mask) v, q/k rotated by RoPE at each token's
     position inside its own sequence; num_kv_heads < num_heads shares K/V heads (GQA).
     The softmax runs blockwise (``blockwise_attention``, query chunks and key blocks of
-    block_size tokens), so memory grows linearly in T; one unpacked sequence without CP on a
-    GPU (bf16 / fp16) takes cuDNN's fused kernel instead (``fused_attention_impl``).
+    block_size tokens), so memory grows linearly in T; one unpacked sequence on a GPU (bf16 /
+    fp16) takes cuDNN's fused kernels instead (``fused_attention_impl``).
 
     With cp_axis (inside shard_map, x is this device's slice of the sequence; outside one, the
     layer enters shard_map over the current mesh) K and V are all-gathered over the axis and the
     mask uses global positions, so each device attends from its queries to every earlier key of
-    the same sequence. cu_seqlens: global offsets (B == 1).
+    the same sequence: for one unpacked sequence on a GPU as two cuDNN pieces merged by their
+    log-sum-exp (``prefix_attention``), else blockwise. cu_seqlens: global offsets (B == 1).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
@@ -70,24 +74,26 @@ class CausalSelfAttention(nnx.Module):
         k = rope(self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim), pos - offset,
                  self.rope_theta)
         v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        k_pos, k_seq = pos, seq
-        if self.cp_axis is not None:
-            gather = lambda a, axis: lax.all_gather(a, self.cp_axis, axis=axis, tiled=True)
-            k, v, k_pos, k_seq = gather(k, 1), gather(v, 1), gather(pos, 0), gather(seq, 0)
-        fused = fused_attention_impl(q)
-        if fused is not None and self.cp_axis is None and cu_seqlens is None:
+        fused = fused_attention_impl(q) if cu_seqlens is None else None
+        pieces = None if fused is None or self.cp_axis is None else cp_pieces(fused)
+        if fused is not None and self.cp_axis is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
+        elif pieces is not None:
+            o = gathered_causal_attention(q, k, v, self.cp_axis, pieces)
         else:
+            k_pos, k_seq = pos, seq
+            if self.cp_axis is not None:
+                gather = lambda a, axis: lax.all_gather(a, self.cp_axis, axis=axis, tiled=True)
+                k, v, k_pos, k_seq = gather(k, 1), gather(v, 1), gather(pos, 0), gather(seq, 0)
             o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
                                     block_k=self.block_size)
         return self.o_proj(o.reshape(B, T, -1))
 
 
 def fused_attention_impl(q: jax.Array) -> str | None:
-    """"cudnn" (jax.nn.dot_product_attention's fused flash kernel) on an NVIDIA GPU of
-    compute capability >= 8.0 for bf16 / fp16 and head_dim a multiple of 8 up to 128, else
-    None: blockwise_attention, which also serves packed sequences (segment masks) and CP
-    (causal offsets into the gathered keys), neither of which the fused kernel takes
+    """"cudnn" (cuDNN's fused flash kernels) on an NVIDIA GPU of compute capability >= 8.0
+    for bf16 / fp16 and head_dim a multiple of 8 up to 128, else None: blockwise_attention,
+    which also serves packed sequences (segment masks), which the fused kernel does not take
     without a [T, T] mask."""
     D = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or D > 128 or D % 8:
@@ -96,3 +102,12 @@ def fused_attention_impl(q: jax.Array) -> str | None:
     if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
         return None
     return "cudnn" if float(getattr(device, "compute_capability", 0)) >= 8.0 else None
+
+
+def cp_pieces(impl: str) -> AttentionPieces | None:
+    """The attention pieces that CP runs on for a ``fused_attention_impl`` result: cuDNN's
+    ("cudnn", when ``cudnn_pieces.available()``), or the dense reference for "xla" (the fused
+    path's XLA form, which tests select); None: keep the blockwise softmax."""
+    if impl == "cudnn":
+        return cudnn_pieces.CudnnPieces() if cudnn_pieces.available() else None
+    return DensePieces()
