@@ -71,7 +71,9 @@ def _entry_state(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, init):
         return zero, None
     axis = cfg.cp_axis
     if cfg.cp_strategy == "allgather":
-        ext, m = st.cp_summary(terms, layout, init)
+        # no device after the last one reads its summary
+        last = lax.axis_index(axis) == lax.axis_size(axis) - 1
+        ext, m = st.cp_summary(terms, layout, init, unused=last)
         ext_all, m_all = lax.all_gather((ext, m), axis)
         return merge_prefix(ext_all, m_all, lax.axis_index(axis)), m
     relay = lambda _, s_in: _shift(axis, st.state_last(terms, layout, init, s_in), +1)
@@ -84,10 +86,12 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
     if cfg.cp_axis is None:
         return zero
     axis = cfg.cp_axis
-    entry_grad = lambda d_last: cfg.stages.state_bwd(terms, layout, do, d_final, d_last,
-                                                     entry_only=True)
+    entry_grad = lambda d_last, unused=None: cfg.stages.state_bwd(
+        terms, layout, do, d_final, d_last, entry_only=True, unused=unused)
     if cfg.cp_strategy == "allgather":
-        d_ext_all, m_all = lax.all_gather((entry_grad(zero), m), axis)
+        # no device before the first one reads its entry cotangent
+        first = lax.axis_index(axis) == 0
+        d_ext_all, m_all = lax.all_gather((entry_grad(zero, first), m), axis)
         return merge_suffix(d_ext_all, m_all, lax.axis_index(axis))
     relay = lambda _, d_last: _shift(axis, entry_grad(d_last), -1)
     return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero)

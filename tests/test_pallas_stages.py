@@ -100,6 +100,27 @@ def test_cp_summary(kind, cu):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_unused_summaries_are_zero(kind):
+    """A summary nobody reads (the last device's (S_ext, M), the first device's entry
+    cotangent) is zero in both twins; the kernels run no chunk for it."""
+    terms, layout, init = chunk_terms(kind, [0, 210], 70, device=1, world=3, gate_scale=0.02)
+    do = jnp.asarray(np.random.default_rng(4).standard_normal(terms.u.shape), jnp.float32)
+    d_last = jnp.zeros((1, 2, 16, 32), jnp.float32)
+    for flag in (jnp.bool_(True), jnp.bool_(False)):
+        got = (*pstate.cp_summary(terms, layout, init, unused=flag, interpret=True),
+               pstate.state_bwd(terms, layout, do, None, d_last, entry_only=True, unused=flag,
+                                interpret=True))
+        want = (*xla.cp_summary(terms, layout, init, unused=flag),
+                xla.state_bwd(terms, layout, do, None, d_last, entry_only=True, unused=flag))
+        for name, a, b in zip(("S_ext", "M", "d_entry"), got, want):
+            if flag:
+                assert float(jnp.abs(a).max()) == float(jnp.abs(b).max()) == 0.0, name
+            else:
+                assert float(jnp.abs(a).max()) > 0.01, name
+                assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("entry_only, device", [(True, 0), (False, 0), (False, 1)])
 def test_state_bwd(kind, entry_only, device):
     # device 1 of 2: sequence 0 started on the device before, its d_init row is zero here

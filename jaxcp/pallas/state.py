@@ -414,19 +414,28 @@ def state_last(terms, layout, init, h0, *, token_major=False, interpret=False,
                         span=_span_after_last_start(layout))[0]
 
 
-def cp_summary(terms, layout, init, *, token_major=False, interpret=False,
+def _unless_unused(span: jax.Array, unused: jax.Array | None, nt: int) -> jax.Array:
+    """The span, or none of the chunks (a zero result) where the caller never reads it."""
+    return span if unused is None else jnp.where(unused, nt, span).astype(jnp.int32)
+
+
+def cp_summary(terms, layout, init, *, unused=None, token_major=False, interpret=False,
                dot_dtype=jnp.float32):
     """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). M, which
     chains the states of all devices before, stays fp32-accurate: the bf16 tiles meet it
-    (and v_new) as two bf16 parts (``_dot``), fp32 tiles at ``fp32_precision``."""
-    _, B, HV, _, K = terms.w.shape
+    (and v_new) as two bf16 parts (``_dot``), fp32 tiles at ``fp32_precision``. unused
+    (bool scalar, the last device's summary): no chunk is run and both are zero."""
+    NT, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
-    ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
-                     token_major=token_major, interpret=interpret, dot_dtype=dot_dtype)
+    ext = _run_forward(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32), u_cols=True,
+                       store_h=False, interpret=interpret, dot_dtype=dot_dtype,
+                       token_major=token_major,
+                       span=_unless_unused(_span_after_last_start(layout), unused, NT))[0]
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
-                     split_state=True, span=_span_of_transition(layout))[0]
+                     split_state=True,
+                     span=_unless_unused(_span_of_transition(layout), unused, NT))[0]
     return ext, m
 
 
@@ -476,11 +485,12 @@ def _bwd_kernel(*refs, nt, gdn, factored, has_final, entry_only, with_d_init, to
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
-              with_d_init: bool = False, entry_only: bool = False, token_major: bool = False,
-              interpret: bool = False, dot_dtype=jnp.float32):
+              with_d_init: bool = False, entry_only: bool = False, unused=None,
+              token_major: bool = False, interpret: bool = False, dot_dtype=jnp.float32):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
     X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
-    layout or, with token_major, [B, T, HV, V]."""
+    layout or, with token_major, [B, T, HV, V]. unused (bool scalar, with entry_only: the
+    first device's d_entry): no chunk is run and d_entry is zero."""
     V = do.shape[-1]
     (NT, B, HV, C, K), BV, gdn, decay, sp = _setup(terms, V, token_major)
     factored = terms.k_rows is not None
@@ -501,7 +511,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *,
         args.append(d_final)
     if entry_only:
         in_specs.append(sp.span)
-        args.append(_span_before_first_start(layout))
+        args.append(_unless_unused(_span_before_first_start(layout), unused, NT))
     in_specs, args, struct = _with_carry(sp, in_specs, args, d_last)
     n_seqs = layout.seq_ends_here.shape[0]
     aliases = _per_seq_output(sp, in_specs, args, n_seqs, V, 2) if with_d_init else {}

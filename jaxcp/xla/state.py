@@ -60,12 +60,14 @@ def state_last(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h
     return lax.scan(step, vary_like(h0, terms.w), xs)[0]
 
 
-def cp_summary(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None):
+def cp_summary(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, *,
+               unused: jax.Array | None = None):
     """The device's affine map S_out = M S_in + S_ext over all its chunks.
 
     S_ext [B, HV, K, V] is the state reached from S_in = 0; M [B, HV, K, K] the product of
     the chunk transitions Diag(decay) - kd^T w, zero once a chunk resets (the state after a
-    sequence start does not depend on what came before)."""
+    sequence start does not depend on what came before). unused (bool scalar: the caller
+    never reads the result, which the Pallas twin then skips): both zero."""
     B, HV, _, K = terms.w.shape[1:]
     V = terms.u.shape[-1]
     ext0 = jnp.zeros((B, HV, K, V), jnp.float32)
@@ -80,6 +82,8 @@ def cp_summary(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None):
 
     xs = (terms.w, terms.u, terms.kd, terms.decay, layout.chunk_starts, layout.chunk_seq)
     (ext, m), _ = lax.scan(step, vary_like((ext0, m0), terms.w), xs)
+    if unused is not None:
+        ext, m = (jnp.where(unused, 0.0, x) for x in (ext, m))
     return ext, m
 
 
@@ -93,7 +97,8 @@ def final_states(terms: ChunkTerms, layout: ChunkLayout, h: jax.Array, v_new: ja
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_final: jax.Array | None,
-              d_last: jax.Array, *, with_d_init: bool = False, entry_only: bool = False):
+              d_last: jax.Array, *, with_d_init: bool = False, entry_only: bool = False,
+              unused: jax.Array | None = None):
     """Reverse scan of the state gradient.
 
     do [NT, B, HV, C, V]: output cotangent; d_final [N, HV, K, V] or None: cotangent of the
@@ -102,7 +107,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_final: ja
     state entering the first chunk (zero if it resets); with with_d_init the gradients
     w.r.t. the initial states [N, HV, K, V] (dh of each sequence's reset chunk, zero for
     sequences that start elsewhere), else None; X = dL/dS_out and dv_new per chunk. With
-    entry_only, d_entry alone.
+    entry_only, d_entry alone; then unused (bool scalar: the caller never reads it, which the
+    Pallas twin then skips) makes it zero.
     """
     p = einsum("...ij,...iv->...jv", terms.attn, do)          # attn^T do   [NT, B, HV, C, V]
     qdo = einsum("...ck,...cv->...kv", terms.qg, do)           # qg^T do     [NT, B, HV, K, V]
@@ -124,7 +130,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_final: ja
           layout.chunk_seq)
     d_entry, ys = lax.scan(step, vary_like(d_last, terms.w), xs, reverse=True)
     if entry_only:
-        return d_entry
+        return d_entry if unused is None else jnp.where(unused, 0.0, d_entry)
     dh_starts, x, dvn = ys
     d_init = None
     if with_d_init:
