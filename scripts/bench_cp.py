@@ -6,6 +6,8 @@ and head all-to-all.
 
 bf16, B = 1, q/k L2-normalised before the timed calls (jaxcp and FLA alike, as FLA's CP
 benchmark does; the norm is not part of the times); one sequence and a packed set of 10.
+fwd+bwd computes o and then the gradients (``jax_timing.forward_backward``; records made
+before it took jax.grad of a loss linear in o, which let XLA drop jaxcp's output kernel).
 "none" runs the whole sequence on one device; the CP strategies split it over all W.
 rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes
 under torchrun, so that JAX has the GPUs afterwards. Each time is per call, for calls queued back to back (GPU time):
@@ -23,7 +25,7 @@ import shutil
 import subprocess
 import sys
 
-from jax_timing import time_side_by_side
+from jax_timing import forward_backward, time_side_by_side
 from report_notes import notes_beside
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
@@ -171,9 +173,8 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
                     *a, cp_axis="seq", cp_strategy=s, **kw)[0]
                 call = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq,
                                      check_vma=backend != "interpret")
-            loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32))
             jobs += [(strategy, "fwd", jax.jit(call), xs),
-                     (strategy, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), xs)]
+                     (strategy, "fwd+bwd", jax.jit(forward_backward(call, range(5))), xs)]
         times = time_side_by_side([(fn, xs) for _, _, fn, xs in jobs], iters, compile_threads)
         for (strategy, passes, _, _), ms in zip(jobs, times):
             if isinstance(ms, Exception):   # reported, not fatal: the other rows still run

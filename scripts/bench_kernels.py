@@ -8,8 +8,10 @@ same GPU, before JAX takes the device; it is skipped (with a note) when it canno
 FLA is timed with q, k normalised by torch (F.normalize before the op) and by its
 fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
-A call is the jitted forward (returns o) or forward+backward (gradients of q, k, v, g, beta
-for a random output cotangent). Both sides time the GPU's time per call, calls queued back
+A call is the jitted forward (returns o) or forward+backward (o, then the gradients of q, k,
+v, g, beta for a random output cotangent: ``jax_timing.forward_backward``, as FLA's backward
+follows its forward). Records made before forward_backward took jax.grad of a loss linear
+in o, under which XLA dropped the output kernel: they left out jaxcp's output. Both sides time the GPU's time per call, calls queued back
 to back: FLA by triton's do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of
 --iters rounds of 4 queued calls). Records made before pipelined_ms waited for every jaxcp
 call, which adds the dispatch and the wait (0.13-0.2 ms per jitted call on these machines).
@@ -22,7 +24,7 @@ import os
 import subprocess
 import sys
 
-from jax_timing import time_side_by_side
+from jax_timing import forward_backward, time_side_by_side
 from report_notes import notes_beside
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
@@ -107,10 +109,8 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
             backend = impl.removeprefix("jaxcp-")
             call = lambda q, k, v, g, beta, backend=backend: jaxcp.chunk_gated_delta_rule(
                 q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)[0]
-            loss = lambda *a, call=call: jnp.sum(call(*a).astype(jnp.float32)
-                                                 * do.astype(jnp.float32))
             jobs += [(impl, "fwd", jax.jit(call)),
-                     (impl, "fwd+bwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))]
+                     (impl, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
         xs = (q, k, v, g, beta)
         times = time_side_by_side([(fn, xs) for _, _, fn in jobs], iters, compile_threads)
         for (impl, passes, _), ms in zip(jobs, times):

@@ -8,6 +8,21 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 
+def forward_backward(call: Callable, argnums: Sequence[int], cotangent=None) -> Callable:
+    """The forward and backward of call as a training step runs them: value_and_grad of
+    sum(call(*args) * cotangent) (cotangent None: ones) w.r.t. argnums. The loss is returned,
+    so the forward's output is computed; under jax.grad alone of a loss linear in the output
+    nothing reads the output and XLA drops the kernels that only write it."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(*args):
+        o = call(*args).astype(jnp.float32)
+        return jnp.sum(o if cotangent is None else o * cotangent.astype(jnp.float32))
+
+    return jax.value_and_grad(loss, argnums=tuple(argnums))
+
+
 def median_ms(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of fn(*args) over `iters` calls (each waited for), after the first
     call (compilation, unless fn is compiled already) and `warmup` more."""
