@@ -37,7 +37,9 @@ def available() -> bool:
     try:
         fwd = tuple(inspect.signature(_fa._dot_product_attention_fwd_rule).parameters)
         bwd = tuple(inspect.signature(_fa._dot_product_attention_bwd_rule).parameters)
-        return fwd == _FWD_ARGS and bwd == _BWD_ARGS and hasattr(_fa, "MaskType")
+        helpers = all(hasattr(_fa, name) for name in
+                      ("MaskType", "_normalize_layout", "check_cudnn_version"))
+        return fwd == _FWD_ARGS and bwd == _BWD_ARGS and helpers
     except (AttributeError, TypeError, ValueError):
         return False
 
