@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxcp.models import CausalSelfAttention
 from jaxcp.models import attention, cudnn_pieces
@@ -13,7 +14,7 @@ from jaxcp.models.attention_pieces import DensePieces
 from jaxcp.models.blockwise import blockwise_attention
 from jaxcp.models.prefix_attention import prefix_causal_attention
 from helpers import assert_rel
-from test_models import HIDDEN, compare_cp
+from test_models import HIDDEN, compare_cp, mesh_of
 
 
 def _inputs(T, N, G, D, seed=0):
@@ -77,7 +78,11 @@ def test_layer_cp_takes_the_pieces(monkeypatch):
     compare_cp(make, 4, 48, None)
     assert calls
     calls.clear()
-    compare_cp(make, 4, 48, [0, 5, 30, 48])
+    layer = make("seq")
+    x = jnp.ones((1, 48, HIDDEN), jnp.float32)
+    cu = jnp.asarray([0, 5, 30, 48], jnp.int32)
+    jax.shard_map(lambda x: layer(x, cu), mesh=mesh_of(4), in_specs=P(None, "seq"),
+                  out_specs=P(None, "seq"))(x)
     assert not calls
 
 
