@@ -85,11 +85,12 @@ def test_cp_without_initial_state_or_final_state():
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
-@pytest.mark.parametrize("W", [2, 4, 8])
+@pytest.mark.parametrize("W", [4, 8])
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_cp_varlen_pallas_interpret(kind, W, strategy):
-    """The same layouts through the Pallas kernels in interpret mode (which needs
-    shard_map's check_vma=False in JAX 0.11)."""
+    """The layouts of 4 and 8 devices (first, middle and last devices; a start on a device
+    boundary; a sequence across several devices) through the Pallas kernels in interpret
+    mode (which needs shard_map's check_vma=False in JAX 0.11)."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 16,
                        n_states=len(cu) - 1, seed=W + 10)
