@@ -405,18 +405,19 @@ def state_fwd(terms, layout, init, h0, *, token_major=False, interpret=False,
                               interpret=interpret, dot_dtype=dot_dtype, token_major=token_major))
 
 
-def state_last(terms, layout, init, h0, *, token_major=False, interpret=False,
-               dot_dtype=jnp.float32):
-    """Twin of xla.state.state_last: the state after the last chunk (the chunks from the last
-    sequence start on are run)."""
-    return _run_forward(terms, layout, init, h0, u_cols=True, store_h=False,
-                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                        span=_span_after_last_start(layout))[0]
-
-
 def _unless_unused(span: jax.Array, unused: jax.Array | None, nt: int) -> jax.Array:
     """The span, or none of the chunks (a zero result) where the caller never reads it."""
     return span if unused is None else jnp.where(unused, nt, span).astype(jnp.int32)
+
+
+def state_last(terms, layout, init, h0, *, unused=None, token_major=False, interpret=False,
+               dot_dtype=jnp.float32):
+    """Twin of xla.state.state_last: the state after the last chunk (the chunks from the last
+    sequence start on are run; none, and a zero state, where unused)."""
+    span = _unless_unused(_span_after_last_start(layout), unused, terms.w.shape[0])
+    return _run_forward(terms, layout, init, h0, u_cols=True, store_h=False,
+                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
+                        span=span)[0]
 
 
 def cp_summary(terms, layout, init, *, unused=None, token_major=False, interpret=False,
@@ -427,10 +428,9 @@ def cp_summary(terms, layout, init, *, unused=None, token_major=False, interpret
     (bool scalar, the last device's summary): no chunk is run and both are zero."""
     NT, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
-    ext = _run_forward(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32), u_cols=True,
-                       store_h=False, interpret=interpret, dot_dtype=dot_dtype,
-                       token_major=token_major,
-                       span=_unless_unused(_span_after_last_start(layout), unused, NT))[0]
+    ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
+                     unused=unused, token_major=token_major, interpret=interpret,
+                     dot_dtype=dot_dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, u_cols=False, store_h=False,
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
