@@ -8,10 +8,11 @@ states [N, HV, K, V] float32 or None.
 
 Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
-Backward: recompute the intra-chunk terms and the chunk states from the saved entry state
-          (nothing per chunk is stored), get the cotangent of this device's exit state
-          (CP: local dS_ext, all-gather with M, suffix merge; or the relay), reverse state
-          recurrence, then the cotangents of the chunk inputs (``chunk_grads``).
+Backward: recompute the intra-chunk terms (Pallas GDN: only w and u, from the inverses
+          the forward kept) and the chunk states from the saved entry state (no state per
+          chunk is stored), get the cotangent of this device's exit state (CP: local
+          dS_ext, all-gather with M, suffix merge; or the relay), reverse state recurrence,
+          then the cotangents of the chunk inputs (``chunk_grads``).
 """
 from __future__ import annotations
 
@@ -97,11 +98,20 @@ def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do,
     return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero)
 
 
-def _forward(cfg, q, k, v, g, beta, init, layout):
-    terms = cfg.stages.intra(q, k, v, g, beta, cfg.scale, layout)
+def _forward(cfg, q, k, v, g, beta, init, layout, for_backward=False):
+    st = cfg.stages
+    terms = st.intra(q, k, v, g, beta, cfg.scale, layout, with_inverse=for_backward)
     s_in, m = _entry_state(cfg, terms, layout, init)
-    o, finals = cfg.stages.state_output(terms, layout, init, s_in, cfg.output_final_state)
-    return (o, finals), (q, k, v, g, beta, init, layout, s_in, m)
+    o, finals = st.state_output(terms, layout, init, s_in, cfg.output_final_state)
+    kept = st.keep(terms) if for_backward else None
+    return (o, finals), (q, k, v, g, beta, init, layout, s_in, m, kept)
+
+
+def _forward_for_backward(cfg, *args):
+    """The forward as the backward needs it: it keeps what ``Stages.keep`` says of its
+    intra-chunk terms (Pallas GDN: the inverses, attn, q_rows), so that the backward
+    recomputes only the rest."""
+    return _forward(cfg, *args, for_backward=True)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -114,10 +124,10 @@ def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layout: ChunkLayou
 
 
 def _backward(cfg, res, cts):
-    q, k, v, g, beta, init, layout, s_in, m = res
+    q, k, v, g, beta, init, layout, s_in, m, kept = res
     do, d_final = cts
     st = cfg.stages
-    terms = st.intra(q, k, v, g, beta, cfg.scale, layout, with_inverse=True)
+    terms = st.intra_again(q, k, v, g, beta, cfg.scale, layout, kept)
     h, v_new, _ = st.state_fwd(terms, layout, init, s_in)
     d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
     _, d_init, x, dvn = st.state_bwd(terms, layout, do, d_final, d_last,
@@ -130,4 +140,4 @@ def _backward(cfg, res, cts):
     return *grads, d_init, None
 
 
-chunk_delta_rule.defvjp(_forward, _backward)
+chunk_delta_rule.defvjp(_forward_for_backward, _backward)

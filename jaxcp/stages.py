@@ -24,8 +24,14 @@ from jaxcp import xla
 
 
 class Stages(NamedTuple):
-    """The stage functions of one backend, with the signatures of ``jaxcp.xla``."""
+    """The stage functions of one backend, with the signatures of ``jaxcp.xla``; and two for
+    the backward's intra terms: ``keep(terms)``, what the forward keeps of its terms (from
+    ``intra(..., with_inverse=True)``; None: nothing), and
+    ``intra_again(q, k, v, g, beta, scale, layout, kept)``, the terms with the inverse
+    again, from the kept ones (Pallas GDN: only w and u are recomputed) or from scratch."""
     intra: Callable
+    keep: Callable
+    intra_again: Callable
     state_output: Callable
     state_fwd: Callable
     state_last: Callable
@@ -51,8 +57,10 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
             q, k, v, g, beta, scale)
         chunk_grads = lambda q, k, v, g, beta, scale, layout, *rest: xla.chunk_grads(
             q, k, v, g, beta, scale, *rest)
-        return Stages(intra, xla.state_output, xla.state_fwd, xla.state_last,
-                      xla.cp_summary, xla.state_bwd, chunk_grads)
+        intra_again = lambda q, k, v, g, beta, scale, layout, kept: intra(
+            q, k, v, g, beta, scale, layout)
+        return Stages(intra, lambda terms: None, intra_again, xla.state_output, xla.state_fwd,
+                      xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
     from jaxcp.pallas import grads as pallas_grads
     from jaxcp.pallas import intra as pallas_intra
     from jaxcp.pallas import state as pallas_state
@@ -78,6 +86,16 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
                                             normalize_qk=normalize_qk)
         return xla.intra_chunk(q, k, v, g, beta, scale)
 
+    def keep(terms):
+        return None if terms.q_rows is None else pallas_intra.kept_for_w_u(terms)
+
+    def intra_again(q, k, v, g, beta, scale, layout, kept):
+        if kept is None:
+            return intra(q, k, v, g, beta, scale, layout, with_inverse=True)
+        return pallas_intra.recompute_w_u(q, k, v, g, beta, layout, chunk_size, kept,
+                                          interpret=interpret, precise=precise,
+                                          normalize_qk=normalize_qk)
+
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         if not per_channel_gate(g):
             return pallas_grads.chunk_grads(q, k, v, g, beta, scale, layout, chunk_size, *rest,
@@ -89,5 +107,5 @@ def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = Fal
     state_output, state_fwd, state_last, cp_summary, state_bwd = (partial(f, **kw) for f in (
         pallas_state.state_output, pallas_state.state_fwd, pallas_state.state_last,
         pallas_state.cp_summary, pallas_state.state_bwd))
-    return Stages(intra, state_output, state_fwd, state_last, cp_summary, state_bwd,
-                  chunk_grads)
+    return Stages(intra, keep, intra_again, state_output, state_fwd, state_last, cp_summary,
+                  state_bwd, chunk_grads)

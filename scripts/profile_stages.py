@@ -6,7 +6,8 @@ Stages, as ``backend="pallas"`` runs them for bf16 inputs, one sequence or the p
 sequences of --cu-seqlens (the kernels read q, k, v, g, beta and write o token-major, in
 place): the L2 norm of q and
 k (XLA; only above NORMALIZE_IN_KERNELS_MAX_K, else the kernels normalise), the intra-chunk
-terms (with the inverse in the backward), the forward state recurrence fused with the output
+terms (writing the inverse too when the forward runs for a backward), the backward's
+recomputation of w and u from it, the forward state recurrence fused with the output
 (what the forward runs), the forward recurrence that stores h and v_new (what the backward
 recomputes), the reverse recurrence, and the input cotangents; then the whole op. With
 --variants, rows marked "variant" re-time a stage in another form (not what ships): the
@@ -93,8 +94,11 @@ def main(argv=None):
     intra = partial(pintra.intra_chunk, scale=scale, layout=layout, chunk_size=C, precise=False,
                     out_dtype=bf16, **pallas)
     timed("intra_chunk", lambda *xs: intra(*xs), *token_args)
-    terms = timed("intra_chunk with the inverse (backward)",
+    terms = timed("intra_chunk keeping the inverse (forward under grad)",
                   lambda *xs: intra(*xs, with_inverse=True), *token_args)
+    timed("recompute_w_u (backward)", lambda kept, *xs: pintra.recompute_w_u(
+        *xs, layout, C, kept, precise=False, **pallas), pintra.kept_for_w_u(terms),
+        *token_args)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
     kw = dict(dot_dtype=bf16, interpret=args.interpret, token_major=True)
     output = lambda t: pstate.state_output(t, layout, None, h0, False, **kw)[0]

@@ -164,6 +164,11 @@ def test_intra_chunk_gdn(C, layout_name, correlated):
     assert pintra.intra_chunk(*args, 0.25, layout, C, interpret=True).inv is None
     assert float(jnp.abs(want.inv).max()) < 2.0
     assert_terms(plain(got, chunks), want, 1e-5)
+    # the backward's terms: w, u and the k row factors again from what the forward kept
+    kept = pintra.kept_for_w_u(got)
+    assert kept.w is None and kept.u is None and kept.k_rows is None
+    again = pintra.recompute_w_u(*args, layout, C, kept, interpret=True)
+    assert_terms(plain(again, chunks), want, 1e-5)
 
 
 def grads_inputs(T, C, cu, K, V, seed):
@@ -211,6 +216,9 @@ def test_normalize_qk_in_kernels(layout_name):
     got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True,
                              normalize_qk=True)
     assert_terms(plain(got, chunks), want, 1e-5)
+    again = pintra.recompute_w_u(*args, layout, C, pintra.kept_for_w_u(got), interpret=True,
+                                 normalize_qk=True)
+    assert_terms(plain(again, chunks), want, 1e-5)
 
     (qn, kn), unit_vjp = jax.vjp(unit, *chunked[:2])
     dqn, dkn, *others = xla.chunk_grads(qn, kn, *chunked[2:], 0.25, want, *rest, chunks(do))

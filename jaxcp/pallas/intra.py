@@ -22,6 +22,9 @@ With normalize_qk the kernel reads raw q, k and computes the terms of their L2-n
 rows: the row factors 1 / ||q_i||, 1 / ||k_i|| join the row scales above (and scale
 the grams and the row factors), so the normalised q and k are never written.
 
+The backward keeps the forward's inverse, attn and q_rows (``kept_for_w_u``) and recomputes
+only w, u and the k row factors from them (``recompute_w_u``, as FLA's recompute_w_u).
+
 The inverse is 2 (log2(C) - 1) tensor-core dots (forward substitution would be C dependent
 row updates). K and V are walked in blocks of 64 columns so that no [C, K] or [C, V] tile
 stays live across the kernel (at K = 256 they would not fit in registers).
@@ -210,8 +213,28 @@ def _intra_kernel(*refs, scale, dots, normalize, table, C):
     inv = _inverse(k, beta, gates, dots, bk, rk)
     if inv_ref:
         inv_ref[0][...] = inv.astype(inv_ref[0].dtype)
-    _store_products(Tile(w_ref), inv * _times(beta * gates.eg, rk)[None, :], k, dots, bk)
-    _store_products(Tile(u_ref), inv * beta[None, :], v, dots, bv)
+    _store_w_u(w_ref, u_ref, inv, k, v, beta, gates, rk, dots)
+
+
+def _store_w_u(w_ref, u_ref, inv, k: Tile, v: Tile, beta, gates: _Gates, rk, dots: _Dots):
+    """w = T diag(beta exp(G) rk) k and u = T diag(beta) v of one chunk."""
+    _store_products(Tile(w_ref), inv * _times(beta * gates.eg, rk)[None, :], k, dots,
+                    _col_blocks(k.width))
+    _store_products(Tile(u_ref), inv * beta[None, :], v, dots, _col_blocks(v.width))
+
+
+def _w_u_kernel(*refs, dots, normalize, table, C):
+    """w, u, k_rows and decay of one chunk from its kept inverse T (see ``recompute_w_u``)."""
+    refs = list(refs)
+    rows = _chunk_rows(refs, C, table)
+    k_ref, v_ref, g_ref, beta_ref, inv_ref, w_ref, u_ref, k_rows_ref, decay_ref = refs
+    k, v = Tile(k_ref, rows), Tile(v_ref, rows)
+    gates = _gates(Tile(g_ref, rows).all().astype(jnp.float32))
+    beta = Tile(beta_ref, rows).all().astype(jnp.float32)
+    rk = _row_scale(k, _col_blocks(k.width), normalize)
+    k_rows_ref[...] = _times(gates.tail, rk)
+    decay_ref[...] = gates.last
+    _store_w_u(w_ref, u_ref, inv_ref[...].astype(jnp.float32), k, v, beta, gates, rk, dots)
 
 
 def _store_products(out: Tile, a, x: Tile, dots: _Dots, n: int):
@@ -277,3 +300,42 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     q, k = args[2 * table:][:2]
     return ChunkTerms(w=w, u=u, qg=q, kd=k, decay=decay[..., None], attn=attn,
                       inv=inv[0] if inv else None, q_rows=q_rows, k_rows=k_rows)
+
+
+def kept_for_w_u(terms: ChunkTerms) -> ChunkTerms:
+    """What ``recompute_w_u`` needs of the terms of ``intra_chunk(..., with_inverse=True)``: the
+    inverse, attn and q_rows (w, u, k_rows, decay are recomputed; qg, kd are q, k)."""
+    if terms.inv is None:
+        raise ValueError("terms: keeping them for recompute_w_u needs their inverse "
+                         "(intra_chunk(..., with_inverse=True))")
+    return terms._replace(w=None, u=None, qg=None, kd=None, decay=None, k_rows=None)
+
+
+def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: ChunkTerms, *,
+             interpret: bool = False, precise: bool = True,
+             normalize_qk: bool = False) -> ChunkTerms:
+    """The terms of ``intra_chunk(q, k, v, g, beta, ..., with_inverse=True)`` from those kept
+    by ``kept_for_w_u``: only w = T diag(beta exp(G)) k, u = T diag(beta) v (and the row
+    factors k_rows, decay of exp(G)) are computed, from the kept inverse T, so that the
+    backward neither inverts again nor recomputes attn (one program per (chunk, batch, head);
+    k, v, g, beta token-major as in ``intra_chunk``; w, u in the dtype of the inverse).
+    q is only placed in the terms (qg)."""
+    B, T, HV, K = k.shape
+    V = v.shape[-1]
+    NT, C = layout.chunk_starts.shape[0], chunk_size
+    sp = _chunk_specs(C, T)
+    g = g.reshape(B, T, HV)
+    table = has_table(layout)
+    args, mat = unify(_with_table(layout, [k, v, g, beta, kept.inv]))
+    out = lambda *s, dtype=kept.inv.dtype: jax.ShapeDtypeStruct((NT, B, HV) + s, dtype,
+                                                                manual_axis_type=mat)
+    w, u, k_rows, decay = pl.pallas_call(
+        partial(_w_u_kernel, dots=_dots(precise, interpret), normalize=normalize_qk,
+                table=table, C=C), grid=(NT, B, HV),
+        in_specs=[sp.chunk_rows] * (2 * table) + [sp.token(K), sp.token(V), sp.token(None),
+                                                  sp.token(None), sp.tile(C)],
+        out_specs=[sp.tile(K), sp.tile(V), sp.vec, sp.scalar],
+        out_shape=[out(C, K), out(C, V), out(C, dtype=jnp.float32), out(dtype=jnp.float32)],
+        **_params(interpret, 0))(*args)
+    return kept._replace(w=w, u=u, qg=q, kd=args[2 * table], decay=decay[..., None],
+                         k_rows=k_rows)
