@@ -6,8 +6,9 @@ and head all-to-all.
 
 bf16, B = 1, q/k L2-normalised before the timed calls (jaxcp and FLA alike, as FLA's CP
 benchmark does; the norm is not part of the times); one sequence and a packed set of 10.
-fwd+bwd computes o and then the gradients (``jax_timing.forward_backward``; records made
-before it took jax.grad of a loss linear in o, which let XLA drop jaxcp's output kernel).
+fwd+bwd computes o and then the gradients for a cotangent of ones, as FLA's
+``o.backward(torch.ones_like(o))`` (``jax_timing.forward_backward``; records made before it
+took jax.grad of a loss linear in o, which let XLA drop jaxcp's output kernel).
 "none" runs the whole sequence on one device; the CP strategies split it over all W.
 rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes
 under torchrun, so that JAX has the GPUs afterwards. Each time is per call, for calls queued back to back (GPU time):

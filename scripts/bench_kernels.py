@@ -9,10 +9,12 @@ FLA is timed with q, k normalised by torch (F.normalize before the op) and by it
 fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
 A call is the jitted forward (returns o) or forward+backward (o, then the gradients of q, k,
-v, g, beta for a random output cotangent: ``jax_timing.forward_backward``, as FLA's backward
-follows its forward). Records made before forward_backward took jax.grad of a loss linear
-in o, under which XLA dropped the output kernel: they left out jaxcp's output. Both sides time the GPU's time per call, calls queued back
-to back: FLA by triton's do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of
+v, g, beta for a random output cotangent by jax.vjp: ``jax_timing.forward_backward``, as
+FLA's ``o.backward(do)``). Records made before forward_backward took jax.grad of a loss
+linear in o, under which XLA dropped the output kernel: they left out jaxcp's output.
+Records from f8bea4c to fc1af9b took value_and_grad of sum(o * do): they include a
+reduction over o (0.24 ms at T = 32768, H = 64, K = 128) that FLA's timing does not have.
+Both sides time the GPU's time per call, calls queued back to back: FLA by triton's do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of
 --iters rounds of 4 queued calls). Records made before pipelined_ms waited for every jaxcp
 call, which adds the dispatch and the wait (0.13-0.2 ms per jitted call on these machines).
 """

@@ -9,18 +9,29 @@ import numpy as np
 
 
 def forward_backward(call: Callable, argnums: Sequence[int], cotangent=None) -> Callable:
-    """The forward and backward of call as a training step runs them: value_and_grad of
-    sum(call(*args) * cotangent) (cotangent None: ones) w.r.t. argnums. The loss is returned,
-    so the forward's output is computed; under jax.grad alone of a loss linear in the output
-    nothing reads the output and XLA drops the kernels that only write it."""
+    """The forward and backward of call as FLA's ``o.backward(do)`` runs them: o =
+    call(*args), then the cotangents of the arguments argnums for the output cotangent
+    (None: ones, made inside the call as FLA's ``torch.ones_like(o)``). o is returned, so the
+    forward's output is computed (under jax.grad of a loss linear in o nothing reads o and
+    XLA drops the kernels that only write it), and no loss is reduced (value_and_grad of
+    sum(o * do) adds a reduction over o that FLA's timing does not have)."""
     import jax
     import jax.numpy as jnp
 
-    def loss(*args):
-        o = call(*args).astype(jnp.float32)
-        return jnp.sum(o if cotangent is None else o * cotangent.astype(jnp.float32))
+    argnums = tuple(argnums)
 
-    return jax.value_and_grad(loss, argnums=tuple(argnums))
+    def step(*args):
+        def of_diff(*diff):
+            full = list(args)
+            for i, x in zip(argnums, diff):
+                full[i] = x
+            return call(*full)
+
+        o, vjp = jax.vjp(of_diff, *(args[i] for i in argnums))
+        do = jnp.ones_like(o) if cotangent is None else cotangent.astype(o.dtype)
+        return o, vjp(do)
+
+    return step
 
 
 def median_ms(fn: Callable, *args, iters: int = 20, warmup: int = 3) -> float:

@@ -111,10 +111,9 @@ def _unit_rows(x: Tile, i: int, bk: int, r):
 def _normalize_vjp(dx: Tile, x: Tile, r, dy_y, bk: int):
     """dx = r (dy - y (dy . y)) in place of dy in the tile dx: the vjp of y = r x, r = (x . x +
     eps)^(-1/2), given dy . y per row (dy_y [C], from dy before its last rounding). dy is
-    read back as stored: for bf16 inputs rounded to bf16 (dk after each of its partial
-    sums), as the unfused op hands the norm's vjp a bf16 cotangent. The store and this load
-    of a block use the same layout, so each element is read back by the thread that wrote
-    it (the dk partial sums rely on the same)."""
+    read back as stored: for bf16 inputs rounded to bf16, as the unfused op hands the norm's
+    vjp a bf16 cotangent. The store and this load of a block use the same layout, so each
+    element is read back by the thread that wrote it."""
     for i in range(x.width // bk):
         y = _unit_rows(x, i, bk, r)
         dy = dx.cols(i, bk).astype(jnp.float32)
@@ -152,8 +151,6 @@ def _wy_kernel(*refs, dots, normalize, table, C):
         dxk_k = jnp.sum(dxk * ki, axis=1) * gates.eg
         dbeta += dxk_k
         dG += dxk_k * beta
-        dk_out.set_cols(i, bk, dk1.cols(i, bk).astype(jnp.float32)
-                        + dxk * (beta * gates.eg)[:, None])
     strict = gates.strict()
     z = beta[:, None] * da * strict
     # R = dA o A = beta_i da_kk
@@ -164,8 +161,10 @@ def _wy_kernel(*refs, dots, normalize, table, C):
     dk_k = jnp.zeros_like(dG)
     for i in range(K // bk):
         ki = _unit_rows(k, i, bk, rk)
-        # the dk stored above (rounded once more for bf16 inputs)
-        dki = dk_out.cols(i, bk).astype(jnp.float32) + dot(z, ki) + dot(z.T, ki)
+        # dXk again: cheaper than storing dk1 + beta exp(G) dXk above and loading it here
+        dxk = dot(inv.T, dw.cols(i, bk))
+        dki = (dk1.cols(i, bk).astype(jnp.float32) + dxk * (beta * gates.eg)[:, None]
+               + dot(z, ki) + dot(z.T, ki))
         dk_out.set_cols(i, bk, dki)
         if normalize:
             dk_k += jnp.sum(dki * ki, axis=1)
