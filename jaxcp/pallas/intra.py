@@ -210,7 +210,8 @@ def _intra_kernel(*refs, scale, dots, normalize, table, C):
     q_rows_ref[...] = _times(gates.eg * scale, rq)
     k_rows_ref[...] = _times(gates.tail, rk)
     decay_ref[...] = gates.last
-    inv = _inverse(k, beta, gates, dots, bk, rk)
+    # w and u from the inverse as stored, as recompute_w_u computes them again
+    inv = _inverse(k, beta, gates, dots, bk, rk).astype(w_ref.dtype).astype(jnp.float32)
     if inv_ref:
         inv_ref[0][...] = inv.astype(inv_ref[0].dtype)
     _store_w_u(w_ref, u_ref, inv, k, v, beta, gates, rk, dots)
@@ -274,7 +275,9 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     (from c chunk_size when the layout has no table; ``jaxcp.pallas.tokens``); w, u,
     attn, inv, decay and the row factors are in chunk layout [NT, B, HV, ...]. precise:
     fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see ``_dots``);
-    out_dtype is the dtype of w, u, attn and inv (decay and the row factors stay float32).
+    out_dtype is the dtype of w, u, attn and inv (decay and the row factors stay float32); w
+    and u are products of the inverse rounded to it, so that ``recompute_w_u`` gives the
+    same w and u from the stored inverse.
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows)."""
     B, T, HV, K = k.shape
     V = v.shape[-1]
