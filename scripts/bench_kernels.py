@@ -14,8 +14,9 @@ FLA's ``o.backward(do)``). Records made before forward_backward took jax.grad of
 linear in o, under which XLA dropped the output kernel: they left out jaxcp's output.
 Records from f8bea4c to fc1af9b took value_and_grad of sum(o * do): they include a
 reduction over o (0.24 ms at T = 32768, H = 64, K = 128) that FLA's timing does not have.
-Both sides time the GPU's time per call, calls queued back to back: FLA by triton's do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of
---iters rounds of 4 queued calls). Records made before pipelined_ms waited for every jaxcp
+Both sides time the GPU's time per call, calls queued back to back: FLA by triton's
+do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of --iters rounds of 4
+queued calls). Records made before pipelined_ms waited for every jaxcp
 call, which adds the dispatch and the wait (0.13-0.2 ms per jitted call on these machines).
 """
 from __future__ import annotations

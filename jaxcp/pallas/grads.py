@@ -5,8 +5,9 @@
 Twin of ``jaxcp.xla.grads.chunk_grads``. The token tensors q, k [B, T, HV, K], v, do
 [B, T, HV, V], g, beta [B, T, HV] and their cotangents are read and written in place, chunk
 c at the rows ``ChunkLayout.token_start[c]`` on, c C without a table
-(``jaxcp.pallas.tokens``); the rest is in chunk layout: the chunk terms w [NT, B, HV, C, K], u [.., C, V], attn and T = (I + A)^-1
-[.., C, C] (``intra`` with the inverse); from the recurrences h (state entering each chunk)
+(``jaxcp.pallas.tokens``); the rest is in chunk layout: the chunk terms w [NT, B, HV, C, K],
+u [.., C, V], attn and T = (I + A)^-1 [.., C, C] (``intra`` with the inverse, or
+``recompute_w_u``); from the recurrences h (state entering each chunk)
 and X = dL/dS_out [NT, B, HV, K, V], v_new and dvn = dL/dv_new [NT, B, HV, C, V]. With
 G = cumsum(g), E_ij = exp(G_i - G_j), Xk = beta exp(G) k (so w = T Xk, u = T (beta v)):
 

@@ -306,17 +306,17 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
 
 
 def kept_for_w_u(terms: ChunkTerms) -> ChunkTerms:
-    """What ``recompute_w_u`` needs of the terms of ``intra_chunk(..., with_inverse=True)``: the
-    inverse, attn and q_rows (w, u, k_rows, decay are recomputed; qg, kd are q, k)."""
+    """What ``recompute_w_u`` needs of the terms of ``intra_chunk(..., with_inverse=True)``:
+    the inverse, attn and q_rows (w, u, k_rows, decay are recomputed; qg, kd are q, k)."""
     if terms.inv is None:
         raise ValueError("terms: keeping them for recompute_w_u needs their inverse "
                          "(intra_chunk(..., with_inverse=True))")
     return terms._replace(w=None, u=None, qg=None, kd=None, decay=None, k_rows=None)
 
 
-def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: ChunkTerms, *,
-             interpret: bool = False, precise: bool = True,
-             normalize_qk: bool = False) -> ChunkTerms:
+def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: ChunkTerms,
+                  *, interpret: bool = False, precise: bool = True,
+                  normalize_qk: bool = False) -> ChunkTerms:
     """The terms of ``intra_chunk(q, k, v, g, beta, ..., with_inverse=True)`` from those kept
     by ``kept_for_w_u``: only w = T diag(beta exp(G)) k, u = T diag(beta) v (and the row
     factors k_rows, decay of exp(G)) are computed, from the kept inverse T, so that the
