@@ -18,13 +18,8 @@ import argparse
 import numpy as np
 
 from jax_timing import forward_backward, pipelined_ms
+from rel_error import rel_error
 
-
-def rel(a, b) -> float:
-    a, b = (np.asarray(x, np.float64) for x in (a, b))
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main(argv=None) -> int:
@@ -77,7 +72,7 @@ def main(argv=None) -> int:
             loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * wo)
             results.append((jax.jit(f)(q, k, v),
                             *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)))
-        errs = [rel(a.astype(jnp.float32), b) for a, b in zip(*results)]
+        errs = [rel_error(a.astype(jnp.float32), b) for a, b in zip(*results)]
         worst = max(worst, *errs)
         print(f"  kv heads {G}: " + "  ".join(f"{n} {e:.2e}" for n, e in
                                               zip(("o", "dq", "dk", "dv"), errs)))

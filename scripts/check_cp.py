@@ -16,6 +16,7 @@ import shutil
 import sys
 
 from jax_timing import median_ms
+from rel_error import rel_error
 
 
 def parse_args(argv=None):
@@ -88,10 +89,6 @@ def main(argv=None) -> int:
 
     timed = lambda fn, *xs: median_ms(fn, *xs, iters=args.iters, warmup=0)
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
     print(f"devices: {W} x {jax.devices()[0].device_kind}; jax {jax.__version__}; backend "
           f"{args.backend or 'auto'}; T={T} H={args.H} HV={HV} K={args.K} V={args.V} {args.dtype}; "
           f"cu_seqlens={cu}", flush=True)
@@ -150,8 +147,8 @@ def main(argv=None) -> int:
             fwd, both = make(cp)
             o, f = fwd(*xs)
             grads = both(*xs)[1]
-            err_g = max(rel(a, b) for a, b in zip(grads, grads1))
-            emit((kind, strategy, W, rel(o, o1), rel(f, f1), err_g, timed(fwd, *xs),
+            err_g = max(rel_error(a, b) for a, b in zip(grads, grads1))
+            emit((kind, strategy, W, rel_error(o, o1), rel_error(f, f1), err_g, timed(fwd, *xs),
                   timed(both, *xs)))
     worst = max(max(r[3:6]) for r in rows)
     limit = 1e-4 if args.dtype == "float32" else 1e-2

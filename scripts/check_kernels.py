@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from rel_error import rel_error
 
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -67,13 +68,7 @@ def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
                 jax.tree.leaves((o, f, grads)), jax.tree.leaves((again, grads_again)))):
             return [float("nan")] * len(NAMES)
     (_, (o_r, f_r)), grads_r = loss(ref)(*(x.astype(jnp.float32) for x in xs))
-    errs = []
-    for a, b in zip([o, f, *grads], [o_r, f_r, *grads_r]):
-        a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-        b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
-        errs.append(float(np.linalg.norm(a - b) / np.linalg.norm(b))
-                    if np.all(np.isfinite(a)) else float("inf"))
-    return errs
+    return [rel_error(a, b) for a, b in zip([o, f, *grads], [o_r, f_r, *grads_r])]
 
 
 def main(argv=None) -> int:
