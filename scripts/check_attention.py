@@ -21,7 +21,6 @@ from jax_timing import forward_backward, pipelined_ms
 from rel_error import rel_error
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=1024, help="tokens per device in the checks")
