@@ -179,6 +179,15 @@ def _times(row_vec, r):
     return row_vec if r is None else row_vec * r
 
 
+def _on_tokens(r, valid):
+    """Row factors r ([C], None meaning 1) zeroed past the chunk's tokens (valid [C] from
+    ``ChunkRows.valid``, None: every row a token). The kernels that read q, k loose fold it
+    into their row factors, so the loose rows drop out of the grams and of w."""
+    if valid is None:
+        return r
+    return valid if r is None else r * valid
+
+
 def _chunk_rows(refs: list, C: int, table: bool) -> ChunkRows:
     """The rows of this program's chunk (grid axis 0) in the token slabs: from the layout's
     table (table: the two leading refs of `refs`, token_start and token_count [1, 1], are
@@ -199,12 +208,14 @@ def _intra_kernel(*refs, scale, dots, normalize, table, C):
     rows = _chunk_rows(refs, C, table)
     (q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, q_rows_ref, k_rows_ref,
      decay_ref, *inv_ref) = refs
-    q, k, v = (Tile(r, rows) for r in (q_ref, k_ref, v_ref))
+    q, k, v = (Tile(r, rows, loose=True) for r in (q_ref, k_ref, v_ref))
     g = Tile(g_ref, rows).all().astype(jnp.float32)
     beta = Tile(beta_ref, rows).all().astype(jnp.float32)
     gates = _gates(g)
     bk, bv = _col_blocks(k.width), _col_blocks(v.width)
-    rq, rk = _row_scale(q, bk, normalize), _row_scale(k, bk, normalize)
+    valid = rows.valid()
+    rq = _on_tokens(_row_scale(q, bk, normalize), valid)
+    rk = _on_tokens(_row_scale(k, bk, normalize), valid)
     attn = _scale_gram(_gram(q, k, dots, bk), rq, rk) * gates.causal() * scale
     attn_ref[...] = attn.astype(attn_ref.dtype)
     q_rows_ref[...] = _times(gates.eg * scale, rq)
@@ -229,10 +240,10 @@ def _w_u_kernel(*refs, dots, normalize, table, C):
     refs = list(refs)
     rows = _chunk_rows(refs, C, table)
     k_ref, v_ref, g_ref, beta_ref, inv_ref, w_ref, u_ref, k_rows_ref, decay_ref = refs
-    k, v = Tile(k_ref, rows), Tile(v_ref, rows)
+    k, v = Tile(k_ref, rows, loose=True), Tile(v_ref, rows, loose=True)
     gates = _gates(Tile(g_ref, rows).all().astype(jnp.float32))
     beta = Tile(beta_ref, rows).all().astype(jnp.float32)
-    rk = _row_scale(k, _col_blocks(k.width), normalize)
+    rk = _on_tokens(_row_scale(k, _col_blocks(k.width), normalize), rows.valid())
     k_rows_ref[...] = _times(gates.tail, rk)
     decay_ref[...] = gates.last
     _store_w_u(w_ref, u_ref, inv_ref[...].astype(jnp.float32), k, v, beta, gates, rk, dots)

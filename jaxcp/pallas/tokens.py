@@ -10,6 +10,12 @@ early, need no gathered copy, and neither does T % C != 0.
 
 Where the layout has no such table (every chunk whole, at c C), the rows are c C on and
 nothing is masked: those loads are the plain block loads of a chunk-layout kernel.
+
+A kernel whose every product over the chunk's rows already has a factor that is zero past
+count_c (beta, or row factors it zeroes there: ``ChunkRows.valid``) reads its [C, d] tiles
+"loose": unmasked, the rows past count_c holding the tokens that follow (rows past T
+repeat row T - 1). Those rows then drop out of every result as exact zeros, and the loads
+need no mask (the [C, d] masks cost the intra kernel registers it spilled on the H200).
 """
 from __future__ import annotations
 
@@ -57,9 +63,20 @@ class ChunkRows(NamedTuple):
     def _mask(self, shape):
         return lax.broadcasted_iota(jnp.int32, shape, 0) < self.count
 
-    def load(self, ref, cols: tuple[int, int] | None = None) -> jax.Array:
+    def valid(self) -> jax.Array | None:
+        """[C] float32: 1 on the chunk's tokens, 0 past count (None: all C are tokens)."""
+        if self.count is None:
+            return None
+        return self._mask((self.size,)).astype(jnp.float32)
+
+    def load(self, ref, cols: tuple[int, int] | None = None, *, loose: bool = False) -> jax.Array:
         """The chunk's [C, n] tile of columns cols = (first, n) (all columns if None), or
-        its [C] vector of a [T] slab; zero in the rows past count."""
+        its [C] vector of a [T] slab; zero in the rows past count, or (loose, tiles only)
+        the following tokens there."""
+        if loose and self.count is not None and len(ref.shape) == 2:
+            first, n = cols if cols is not None else (0, ref.shape[1])
+            rows = self.start + lax.broadcasted_iota(jnp.int32, (self.size,), 0)
+            return ref[jnp.minimum(rows, ref.shape[0] - 1), pl.ds(first, n)]
         at, shape = self._at(ref, cols)
         if self.count is None:
             return at[...]
@@ -76,9 +93,11 @@ class ChunkRows(NamedTuple):
 
 class Tile(NamedTuple):
     """A chunk's [C, d] tile (or [C] vector) behind one interface: a block ref of the chunk
-    layout (rows None) or the chunk's rows of a token slab."""
+    layout (rows None) or the chunk's rows of a token slab, read loose if asked
+    (``ChunkRows.load``)."""
     ref: object
     rows: ChunkRows | None = None
+    loose: bool = False
 
     @property
     def width(self) -> int:
@@ -88,11 +107,11 @@ class Tile(NamedTuple):
         """Columns [j n, (j + 1) n) as stored."""
         if self.rows is None:
             return self.ref[:, pl.ds(j * n, n)]
-        return self.rows.load(self.ref, (j * n, n))
+        return self.rows.load(self.ref, (j * n, n), loose=self.loose)
 
     def all(self) -> jax.Array:
         """The whole tile (or vector) as stored."""
-        return self.ref[...] if self.rows is None else self.rows.load(self.ref)
+        return self.ref[...] if self.rows is None else self.rows.load(self.ref, loose=self.loose)
 
     def set_cols(self, j: int, n: int, value: jax.Array) -> None:
         if self.rows is None:
