@@ -181,8 +181,7 @@ def _times(row_vec, r):
 
 def _on_tokens(r, valid):
     """Row factors r ([C], None meaning 1) zeroed past the chunk's tokens (valid [C] from
-    ``ChunkRows.valid``, None: every row a token). The kernels that read q, k loose fold it
-    into their row factors, so the loose rows drop out of the grams and of w."""
+    ``ChunkRows.valid``, None: every row a token)."""
     if valid is None:
         return r
     return valid if r is None else r * valid
@@ -208,6 +207,8 @@ def _intra_kernel(*refs, scale, dots, normalize, table, C):
     rows = _chunk_rows(refs, C, table)
     (q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, attn_ref, q_rows_ref, k_rows_ref,
      decay_ref, *inv_ref) = refs
+    # q, k, v read loose (``jaxcp.pallas.tokens``): past the tokens, beta and the row factors
+    # rq, rk are zero, so those rows drop out of A, w, u and attn (whose rows there are zero)
     q, k, v = (Tile(r, rows, loose=True) for r in (q_ref, k_ref, v_ref))
     g = Tile(g_ref, rows).all().astype(jnp.float32)
     beta = Tile(beta_ref, rows).all().astype(jnp.float32)
@@ -240,10 +241,10 @@ def _w_u_kernel(*refs, dots, normalize, table, C):
     refs = list(refs)
     rows = _chunk_rows(refs, C, table)
     k_ref, v_ref, g_ref, beta_ref, inv_ref, w_ref, u_ref, k_rows_ref, decay_ref = refs
-    k, v = Tile(k_ref, rows, loose=True), Tile(v_ref, rows, loose=True)
+    k, v = Tile(k_ref, rows), Tile(v_ref, rows)
     gates = _gates(Tile(g_ref, rows).all().astype(jnp.float32))
     beta = Tile(beta_ref, rows).all().astype(jnp.float32)
-    rk = _on_tokens(_row_scale(k, _col_blocks(k.width), normalize), rows.valid())
+    rk = _row_scale(k, _col_blocks(k.width), normalize)
     k_rows_ref[...] = _times(gates.tail, rk)
     decay_ref[...] = gates.last
     _store_w_u(w_ref, u_ref, inv_ref[...].astype(jnp.float32), k, v, beta, gates, rk, dots)

@@ -150,10 +150,9 @@ class _TokenRows(NamedTuple):
             return ChunkRows(i * self.size, None, self.size)
         return ChunkRows(self.start_ref[i], self.count_ref[i], self.size)
 
-    def load(self, ref, i, loose: bool = False):
-        """Chunk i of a token slab [T, d], zero past its tokens (loose: the following
-        tokens there, ``ChunkRows.load``)."""
-        return self.at(i).load(ref, loose=loose)
+    def load(self, ref, i):
+        """Chunk i of a token slab [T, d], zero past its tokens."""
+        return self.at(i).load(ref)
 
     def store(self, ref, i, value):
         self.at(i).store(ref, value)
@@ -167,10 +166,9 @@ def _token_rows(it, token_major: bool, table: bool, C: int) -> _TokenRows | None
     return _TokenRows(next(it), next(it), C) if table else _TokenRows(None, None, C)
 
 
-def _chunk_of(ref, i, rows: _TokenRows | None, loose: bool = False):
-    """Chunk i of a chunk-layout block [NT, C, d] (rows None) or of a token slab (loose:
-    ``ChunkRows.load``)."""
-    return ref[i] if rows is None else rows.load(ref, i, loose)
+def _chunk_of(ref, i, rows: _TokenRows | None):
+    """Chunk i of a chunk-layout block [NT, C, d] (rows None) or of a token slab."""
+    return ref[i] if rows is None else rows.load(ref, i)
 
 
 def _decay(dec_ref, i, gdn: bool):
@@ -287,8 +285,6 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
     finals_ref = next(it) if with_finals else None
     last_ref = next(it)
 
-    # q and k are read loose: the rows of o past a chunk's tokens are not stored, and the
-    # rows of v_new there are zero (so are those of w and u), so they add nothing to the state
     def body(i, state):
         if has_init:
             fresh = init_ref[seq_ref[i]]
@@ -302,14 +298,14 @@ def _fwd_kernel(*refs, nt, gdn, has_u, has_init, factored, store_h, with_output,
         if store_h:
             vn_ref[i] = v_new.astype(vn_ref.dtype)
         if with_output:
-            o = (_scale_rows(dot(_chunk_of(qg_ref, i, qk_rows, True), state), q_rows_ref, i)
+            o = (_scale_rows(dot(_chunk_of(qg_ref, i, qk_rows), state), q_rows_ref, i)
                  + dot(attn_ref[i], v_new))
             if rows is None:
                 o_ref[i] = o.astype(o_ref.dtype)
             else:
                 rows.store(o_ref, i, o)
         out = (_decay(dec_ref, i, gdn) * state
-               + dot(_chunk_of(kd_ref, i, qk_rows, True).T, _scale_rows(v_new, k_rows_ref, i)))
+               + dot(_chunk_of(kd_ref, i, qk_rows).T, _scale_rows(v_new, k_rows_ref, i)))
         if with_finals:
             @pl.when(ends_ref[i] != 0)
             def _():

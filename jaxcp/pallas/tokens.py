@@ -11,11 +11,13 @@ early, need no gathered copy, and neither does T % C != 0.
 Where the layout has no such table (every chunk whole, at c C), the rows are c C on and
 nothing is masked: those loads are the plain block loads of a chunk-layout kernel.
 
-A kernel whose every product over the chunk's rows already has a factor that is zero past
-count_c (beta, or row factors it zeroes there: ``ChunkRows.valid``) reads its [C, d] tiles
-"loose": unmasked, the rows past count_c holding the tokens that follow (rows past T
-repeat row T - 1). Those rows then drop out of every result as exact zeros, and the loads
-need no mask (the [C, d] masks cost the intra kernel registers it spilled on the H200).
+A kernel whose every sum over the chunk's rows already has a factor that is zero past
+count_c (beta, or row factors it zeroes there: ``ChunkRows.valid``) may read its [C, d]
+tiles "loose": unmasked, the rows past count_c holding the tokens that follow (rows past
+T repeat row T - 1). Those rows then add exact zeros, so the results are those of masked
+loads, as long as the inputs are finite (an inf in the next sequence would give 0 * inf).
+The intra kernel does: its [C, d] load masks cost it registers that it spilled on the
+H200 (0.3 ms of 2.7 at T = 32768, H = 64).
 """
 from __future__ import annotations
 
