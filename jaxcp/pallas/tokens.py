@@ -17,9 +17,8 @@ tiles "loose": unmasked, the rows past count_c holding the tokens that follow (r
 T repeat row T - 1). Those rows then add exact zeros, so the results are those of masked
 loads, as long as the products stay finite: an inf in the next sequence, or values so
 large that its products overflow float32, would reach this one as 0 * inf (that sequence's
-own results are not finite then either).
-The intra kernel does: its [C, d] load masks cost it registers that it spilled on the
-H200 (0.3 ms of 2.7 at T = 32768, H = 64).
+own results are not finite then either). The intra kernel does: its [C, d] load masks
+cost it registers that it spilled on the H200 (0.3 ms of 2.7 at T = 32768, H = 64).
 """
 from __future__ import annotations
 
