@@ -5,12 +5,14 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jaxcp.gate import Gate
+from jaxcp.stages import BACKENDS as STAGE_BACKENDS
 from jaxcp.vma import manual_axis_size
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 CHUNK_SIZES = (16, 32, 64, 128)
 CP_STRATEGIES = ("allgather", "all_to_all", "relay")
-BACKENDS = (None, "xla", "pallas", "interpret")
+BACKENDS = (None,) + STAGE_BACKENDS
 OPERAND_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -43,13 +45,13 @@ def axis_size_or_raise(cp_axis: str) -> int:
     return size
 
 
-def check_inputs(kind: str, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
+def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
                  cp_strategy, chunk_size, backend) -> int:
-    """Validate a call of chunk_gated_delta_rule (kind "gdn") or chunk_kda ("kda").
+    """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL).
     Returns the number of devices on cp_axis (1 without CP)."""
     for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
                           ("v", v, "[B, T, HV, V]"), ("beta", beta, "[B, T, HV]"),
-                          ("g", g, "[B, T, HV]" if kind == "gdn" else "[B, T, HV, K]")):
+                          ("g", g, gate.dims())):
         _check_array(name, x, dims)
     B, T, H, K = q.shape
     if k.shape != q.shape:
@@ -65,7 +67,7 @@ def check_inputs(kind: str, q, k, v, g, beta, *, scale, initial_state, cu_seqlen
         raise ValueError(f"v head dim V = {V} must be one of {HEAD_DIMS}")
     if beta.shape != (B, T, HV):
         raise ValueError(f"beta must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
-    g_shape = (B, T, HV) if kind == "gdn" else (B, T, HV, K)
+    g_shape = gate.shape(B, T, HV, K)
     if g.shape != g_shape:
         raise ValueError(f"g must have shape {g_shape}, got {tuple(g.shape)}")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):

@@ -1,10 +1,10 @@
 """The chunked delta rule as one custom_vjp, with the cross-device step inside it.
 
 Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V]
-float32, g [NT, B, HV, C, Kg], beta [NT, B, HV, C] float32; or, for the Pallas GDN kernels,
-token-major as the caller has them, [B, T, HV, ...] (q, k, v bf16 for bf16 inputs), each
-chunk read in place at the rows the layout gives it (``CoreConfig.token_major``); initial
-states [N, HV, K, V] float32 or None.
+float32, g [NT, B, HV, C, Kg], beta [NT, B, HV, C] float32; or, for a token-major
+implementation (``stages.Implementation``; the Pallas GDN kernels), as the caller has them,
+[B, T, HV, ...] (q, k, v bf16 for bf16 inputs), each chunk read in place at the rows the
+layout gives it; initial states [N, HV, K, V] float32 or None.
 
 Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.cp.merge import merge_prefix, merge_suffix
+from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
 from jaxcp.vma import match_cotangent, vary_like
 from jaxcp.stages import Stages, stages_for
@@ -32,23 +33,24 @@ from jaxcp.xla import ChunkTerms
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Static settings of one call. cp_strategy: "allgather" or "relay" (all_to_all wraps
-    the op without CP, see ``cp.all_to_all``). token_major: q, k, v, g, beta (and o) are
-    [B, T, HV, ...] instead of chunk layout (see ``stages``). normalize_qk: q, k are
-    raw and the stages L2-normalise them (Pallas GDN only). chunk_size: C."""
+    """Static settings of one call. gate: the decay gate's kind. cp_strategy: "allgather" or
+    "relay" (all_to_all wraps the op without CP, see ``cp.all_to_all``). backend: "xla",
+    "pallas" or "interpret"; whether q, k, v, g, beta (and o) are token-major
+    [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
+    normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C."""
     scale: float
     output_final_state: bool
+    gate: Gate
     cp_axis: str | None = None
     cp_strategy: str = "allgather"
     backend: str = "xla"
     dot_dtype: str = "float32"
-    token_major: bool = False
     normalize_qk: bool = False
     chunk_size: int = 64
 
     @property
     def stages(self) -> Stages:
-        return stages_for(self.backend, self.dot_dtype, self.token_major, self.normalize_qk,
+        return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
                           self.chunk_size)
 
 

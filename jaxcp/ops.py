@@ -8,35 +8,22 @@ from jax import lax
 from jaxcp.checks import check_inputs
 from jaxcp.cp.all_to_all import head_all_to_all
 from jaxcp.core import CoreConfig, chunk_delta_rule
+from jaxcp.gate import Gate
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
+from jaxcp.stages import implementation, resolve_backend
 
 
-# Largest K for which GDN's Pallas kernels L2-normalise q, k themselves. Measured on the H100
-# (docs/benchmarks/kernels.notes.md): at K = 128 it saves the norm's passes (fwd 5.48 ->
-# 5.09 ms, fwd+bwd 17.39 -> 16.62 at T = 32768, H = 64, 1bbada4). At K = 256 (H = 16,
-# 0384b99) the intra kernel normalises at no cost (1.62 against 1.61 ms) but the cotangent
-# kernels take 8.55 ms against 6.96 while the XLA norm costs 0.53, so there XLA normalises.
-NORMALIZE_IN_KERNELS_MAX_K = 128
-
-
-def resolve_backend(backend: str | None) -> str:
-    """None picks "pallas" when JAX's default backend is a GPU, else "xla"."""
-    if backend is not None:
-        return backend
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-              use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend):
-    world = check_inputs(kind, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_final_state,
+              cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend):
+    world = check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                          chunk_size=chunk_size, backend=backend)
     if cu_seqlens is not None and cu_seqlens.shape[0] == 2:
         cu_seqlens = None        # one sequence, [0, T): the same as B = 1 without cu_seqlens
     if cp_axis is not None and cp_strategy == "all_to_all":
         run = lambda q, k, v, g, beta, h0: _chunk_op(
-            kind, q, k, v, g, beta, scale=scale, initial_state=h0,
+            gate, q, k, v, g, beta, scale=scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=None,
             cp_strategy="allgather", chunk_size=chunk_size, backend=backend)
@@ -47,33 +34,29 @@ def _chunk_op(kind, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = lambda x: x.astype(jnp.float32)
     backend = resolve_backend(backend)
+    impl = implementation(backend, gate)
     dot_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
-    gdn_kernels = backend != "xla" and kind == "gdn"
-    # GDN's Pallas kernels read bf16 q, k, v as they are (half the bytes of the chunk layout)
-    io = jnp.bfloat16 if gdn_kernels and dot_dtype == "bfloat16" else jnp.float32
-    # GDN's Pallas kernels normalise q, k themselves (no pass over them through memory)
-    normalize_in_kernels = (use_qk_l2norm_in_kernel and gdn_kernels
-                            and K <= NORMALIZE_IN_KERNELS_MAX_K)
+    io = impl.io_dtype(dot_dtype)
+    normalize_in_kernels = use_qk_l2norm_in_kernel and impl.normalizes_qk(K)
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel and not normalize_in_kernels:
         q, k = l2_normalize(q), l2_normalize(k)
     q, k = (jnp.repeat(x.astype(io), HV // H, axis=2) for x in (q, k))
-    g = f32(g) if kind == "kda" else f32(g)[..., None]
+    g = f32(g)[..., None] if gate is Gate.SCALAR else f32(g)
 
     device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     layout, token_map = build_layout(B, T, chunk_size, cu_seqlens, device_start, T * world)
-    # the GDN kernels read and write each chunk's tokens where they are, packed or not
-    if gdn_kernels:
+    if impl.token_major:
         chunk = unchunk = lambda x: x
     else:
         NT = num_chunks(T, chunk_size, n_seqs)
         chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
         unchunk = lambda y: from_chunks(y, token_map, T)
     init = None if initial_state is None else f32(initial_state)
-    cfg = CoreConfig(scale=scale, output_final_state=output_final_state, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy, backend=backend, dot_dtype=dot_dtype,
-                     token_major=gdn_kernels, normalize_qk=normalize_in_kernels,
+    cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
+                     cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
+                     dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
                      chunk_size=chunk_size)
     o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(io)), chunk(g),
                                 chunk(f32(beta)), init, layout)
@@ -127,7 +110,7 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
                            use_qk_l2norm_in_kernel: bool = False, cp_axis: str | None = None,
                            cp_strategy: str = "allgather", chunk_size: int = 64,
                            backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
-    return _chunk_op("gdn", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    return _chunk_op(Gate.SCALAR, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
@@ -139,7 +122,7 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
               use_qk_l2norm_in_kernel: bool = False, cp_axis: str | None = None,
               cp_strategy: str = "allgather", chunk_size: int = 64,
               backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
-    return _chunk_op("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    return _chunk_op(Gate.CHANNEL, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
@@ -147,7 +130,7 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
 
 chunk_gated_delta_rule.__doc__ = _DOC.format(
     title="Chunked Gated DeltaNet (scalar gate per head and token).",
-    name="chunk_gated_delta_rule", decay="S <- S * exp(g_t)", g_shape="[B, T, HV]")
+    name="chunk_gated_delta_rule", decay="S <- S * exp(g_t)", g_shape=Gate.SCALAR.dims())
 chunk_kda.__doc__ = _DOC.format(
     title="Chunked Kimi Delta Attention (per-channel gate).", name="chunk_kda",
-    decay="S <- Diag(exp(g_t)) S   (row d of S scaled by exp(g_t[d]))", g_shape="[B, T, HV, K]")
+    decay="S <- Diag(exp(g_t)) S   (row d of S scaled by exp(g_t[d]))", g_shape=Gate.CHANNEL.dims())

@@ -1,32 +1,47 @@
-"""Which implementation runs each stage of the chunked delta rule, per backend.
+"""Which implementation runs each stage of the chunked delta rule: a table keyed by
+(backend, gate).
 
-"xla": everything in jnp (``jaxcp.xla``). "pallas" / "interpret": Pallas kernels
-(``jaxcp.pallas``), compiled for the GPU or run in interpret mode: the chunk state
-recurrences (forward fused with the output, backward, CP summary) for both gates, and GDN's
-intra-chunk terms and input cotangents; KDA's (per-channel gate) stay in jnp.
+An ``Implementation`` is one backend's code for one gate kind and what it supports; the
+public op asks it for its policy (the I/O dtype of q, k, v, token-major tensors or the
+chunk layout, whether q, k are L2-normalised inside the kernels) and the core runs the
+``Stages`` it builds. The entries:
 
-token_major (GDN, Pallas only): the token tensors q, k, v, g, beta, o, do and the input
-cotangents are [B, T, HV, ...] as the caller has them, and the kernels read and write each
-chunk in place, at the rows the ``ChunkLayout`` gives it (packed sequences included);
-otherwise they are in chunk layout [NT, B, HV, C, ...] like the terms. ``intra`` and
-``chunk_grads`` take the layout after ``scale``.
-GDN's Pallas intra kernel returns row-factored terms (``ChunkTerms``), whose bare q, k are
-the token tensors as given.
+| backend  | gate    | intra-chunk terms, input cotangents | state recurrences | token-major |
+|----------|---------|-------------------------------------|-------------------|-------------|
+| "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no          |
+| "pallas" | SCALAR  | Pallas (``pallas.intra``, ``grads``) | Pallas (``pallas.state``) | yes  |
+| "pallas" | CHANNEL | jnp (no Pallas kernel yet: falls through to ``jaxcp.xla``) | Pallas | no |
+
+"interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
+device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant is
+one ``Gate`` value and its entries here.
+
+token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents stay
+[B, T, HV, ...] as the caller has them, and the kernels read and write each chunk in place,
+at the rows the ``ChunkLayout`` gives it (packed sequences included); otherwise they are
+gathered into the chunk layout [NT, B, HV, C, ...] like the terms. Stages take the layout
+after ``scale``. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
+whose bare q, k are the token tensors as given.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jaxcp import xla
+from jaxcp.gate import Gate
+
+BACKENDS = ("xla", "pallas", "interpret")
 
 
 class Stages(NamedTuple):
-    """The stage functions of one backend, with the signatures of ``jaxcp.xla``; and two for
-    the backward's intra terms: ``keep(terms)``, what the forward keeps of its terms (from
-    ``intra(..., with_inverse=True)``; None: nothing), and
+    """The stage functions of one implementation, with the signatures of ``jaxcp.xla`` after
+    the layout argument; and two for the backward's intra terms: ``keep(terms)``, what the
+    forward keeps of its terms (from ``intra(..., with_inverse=True)``; None: nothing), and
     ``intra_again(q, k, v, g, beta, scale, layout, kept)``, the terms with the inverse
     again, from the kept ones (Pallas GDN: only w and u are recomputed) or from scratch."""
     intra: Callable
@@ -40,72 +55,131 @@ class Stages(NamedTuple):
     chunk_grads: Callable
 
 
-@lru_cache(maxsize=None)
-def stages_for(backend: str, dot_dtype: str = "float32", token_major: bool = False,
-               normalize_qk: bool = False, chunk_size: int = 64) -> Stages:
-    """dot_dtype: the operand dtype of the kernels' matrix products ("bfloat16" for bf16
-    inputs, as FLA does; accumulation and the state stay float32). normalize_qk (GDN,
-    Pallas only): ``intra`` and ``chunk_grads`` take raw q, k and L2-normalise them inside
-    the kernels; the cotangents are those of the raw q, k."""
-    if token_major and backend == "xla":
-        raise ValueError("token_major: only the Pallas GDN stages read token-major tensors")
-    if normalize_qk and backend == "xla":
-        raise ValueError("normalize_qk: only the Pallas GDN stages normalise q, k themselves")
-    if backend == "xla":
-        # the jnp chunk_grads recomputes the terms in its vjp and never reads the inverse
-        intra = lambda q, k, v, g, beta, scale, layout, with_inverse=False: xla.intra_chunk(
-            q, k, v, g, beta, scale)
-        chunk_grads = lambda q, k, v, g, beta, scale, layout, *rest: xla.chunk_grads(
-            q, k, v, g, beta, scale, *rest)
-        intra_again = lambda q, k, v, g, beta, scale, layout, kept: intra(
-            q, k, v, g, beta, scale, layout)
-        return Stages(intra, lambda terms: None, intra_again, xla.state_output, xla.state_fwd,
-                      xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
-    from jaxcp.pallas import grads as pallas_grads
-    from jaxcp.pallas import intra as pallas_intra
-    from jaxcp.pallas import state as pallas_state
+@dataclass(frozen=True)
+class StageOptions:
+    """Static settings the stages are built for. dot_dtype: the operand dtype of the
+    kernels' matrix products ("bfloat16" for bf16 inputs, as FLA does; accumulation and the
+    state stay float32). normalize_qk: ``intra`` and ``chunk_grads`` take raw q, k and
+    L2-normalise them inside the kernels; the cotangents are those of the raw q, k."""
+    gate: Gate
+    interpret: bool = False
+    dot_dtype: str = "float32"
+    normalize_qk: bool = False
+    chunk_size: int = 64
 
-    interpret = backend == "interpret"
-    precise = dot_dtype == "float32"
 
-    def per_channel_gate(g):
-        """KDA (its intra terms and cotangents in jnp) or GDN (Pallas, token-major only)."""
-        if g.shape[-1] == 1:
-            if not token_major:
-                raise ValueError("token_major: the Pallas GDN stages read token-major tensors")
-            return False
-        if token_major or normalize_qk:
-            raise ValueError("token_major, normalize_qk: not for KDA's jnp stages")
-        return True
+@dataclass(frozen=True)
+class Implementation:
+    """backend, gate: the table key. token_major: reads and writes the token tensors in place
+    (see the module docstring). normalize_max_k: the kernels L2-normalise q, k themselves
+    for K up to this (0: never; the op normalises with XLA first). narrow_io: q, k, v reach
+    the kernels in bf16 when the inputs are bf16 (else float32). build: the Stages for a
+    StageOptions."""
+    backend: str
+    gate: Gate
+    token_major: bool
+    normalize_max_k: int
+    narrow_io: bool
+    build: Callable[[StageOptions], Stages]
+
+    def io_dtype(self, dot_dtype: str):
+        return jnp.bfloat16 if self.narrow_io and dot_dtype == "bfloat16" else jnp.float32
+
+    def normalizes_qk(self, K: int) -> bool:
+        return K <= self.normalize_max_k
+
+
+def _xla_stages(o: StageOptions) -> Stages:
+    """Everything in jnp. Its chunk_grads recomputes the terms in its vjp and never reads
+    the inverse."""
+    intra = lambda q, k, v, g, beta, scale, layout, with_inverse=False: xla.intra_chunk(
+        q, k, v, g, beta, scale, gate=o.gate)
+    chunk_grads = lambda q, k, v, g, beta, scale, layout, *rest: xla.chunk_grads(
+        q, k, v, g, beta, scale, *rest, gate=o.gate)
+    intra_again = lambda q, k, v, g, beta, scale, layout, kept: intra(
+        q, k, v, g, beta, scale, layout)
+    return Stages(intra, lambda terms: None, intra_again, xla.state_output, xla.state_fwd,
+                  xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
+
+
+def _pallas_state_stages(o: StageOptions, token_major: bool) -> dict:
+    """The state recurrences as Pallas kernels (both gates)."""
+    from jaxcp.pallas import state
+    kw = dict(gate=o.gate, token_major=token_major, interpret=o.interpret,
+              dot_dtype=jnp.dtype(o.dot_dtype))
+    return {name: partial(getattr(state, name), **kw) for name in (
+        "state_output", "state_fwd", "state_last", "cp_summary", "state_bwd")}
+
+
+def _pallas_scalar_stages(o: StageOptions) -> Stages:
+    """GDN: every stage a Pallas kernel, token-major."""
+    from jaxcp.pallas import grads, intra as pintra
+    kw = dict(interpret=o.interpret, precise=o.dot_dtype == "float32",
+              normalize_qk=o.normalize_qk)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
-        if not per_channel_gate(g):
-            return pallas_intra.intra_chunk(q, k, v, g, beta, scale, layout, chunk_size,
-                                            with_inverse=with_inverse, interpret=interpret,
-                                            precise=precise, out_dtype=jnp.dtype(dot_dtype),
-                                            normalize_qk=normalize_qk)
-        return xla.intra_chunk(q, k, v, g, beta, scale)
-
-    def keep(terms):
-        return None if terms.q_rows is None else pallas_intra.kept_for_w_u(terms)
+        return pintra.intra_chunk(q, k, v, g, beta, scale, layout, o.chunk_size,
+                                  with_inverse=with_inverse, out_dtype=jnp.dtype(o.dot_dtype),
+                                  **kw)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
-        if kept is None:
-            return intra(q, k, v, g, beta, scale, layout, with_inverse=True)
-        return pallas_intra.recompute_w_u(q, k, v, g, beta, layout, chunk_size, kept,
-                                          interpret=interpret, precise=precise,
-                                          normalize_qk=normalize_qk)
+        return pintra.recompute_w_u(q, k, v, g, beta, layout, o.chunk_size, kept, **kw)
 
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
-        if not per_channel_gate(g):
-            return pallas_grads.chunk_grads(q, k, v, g, beta, scale, layout, chunk_size, *rest,
-                                            interpret=interpret, precise=precise,
-                                            normalize_qk=normalize_qk)
-        return xla.chunk_grads(q, k, v, g, beta, scale, *rest)
+        return grads.chunk_grads(q, k, v, g, beta, scale, layout, o.chunk_size, *rest, **kw)
 
-    kw = dict(token_major=token_major, interpret=interpret, dot_dtype=jnp.dtype(dot_dtype))
-    state_output, state_fwd, state_last, cp_summary, state_bwd = (partial(f, **kw) for f in (
-        pallas_state.state_output, pallas_state.state_fwd, pallas_state.state_last,
-        pallas_state.cp_summary, pallas_state.state_bwd))
-    return Stages(intra, keep, intra_again, state_output, state_fwd, state_last, cp_summary,
-                  state_bwd, chunk_grads)
+    return Stages(intra=intra, keep=pintra.kept_for_w_u, intra_again=intra_again,
+                  chunk_grads=chunk_grads, **_pallas_state_stages(o, token_major=True))
+
+
+def _pallas_channel_stages(o: StageOptions) -> Stages:
+    """KDA: Pallas state recurrences; the intra-chunk terms and their cotangents fall
+    through to the jnp stages (chunk layout)."""
+    jnp_stages = _xla_stages(o)
+    return jnp_stages._replace(**_pallas_state_stages(o, token_major=False))
+
+
+# In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at
+# K = 128 it saves the norm's passes over q, k (op forward 5.48 -> 5.09 ms, fwd+bwd 17.39 ->
+# 16.62 at T = 32768, H = 64); at K = 256 the intra kernel normalises at no cost but the
+# cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53.
+IMPLEMENTATIONS = {
+    ("xla", Gate.SCALAR): Implementation("xla", Gate.SCALAR, token_major=False,
+                                         normalize_max_k=0, narrow_io=False,
+                                         build=_xla_stages),
+    ("xla", Gate.CHANNEL): Implementation("xla", Gate.CHANNEL, token_major=False,
+                                          normalize_max_k=0, narrow_io=False,
+                                          build=_xla_stages),
+    ("pallas", Gate.SCALAR): Implementation("pallas", Gate.SCALAR, token_major=True,
+                                            normalize_max_k=128, narrow_io=True,
+                                            build=_pallas_scalar_stages),
+    ("pallas", Gate.CHANNEL): Implementation("pallas", Gate.CHANNEL, token_major=False,
+                                             normalize_max_k=0, narrow_io=False,
+                                             build=_pallas_channel_stages),
+}
+
+
+def resolve_backend(backend: str | None) -> str:
+    """None picks "pallas" when JAX's default backend is a GPU, else "xla"."""
+    if backend is not None:
+        return backend
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def implementation(backend: str, gate: Gate) -> Implementation:
+    """The table entry of a backend ("interpret" runs the "pallas" entries) and gate."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return IMPLEMENTATIONS["pallas" if backend == "interpret" else backend, gate]
+
+
+@lru_cache(maxsize=None)
+def stages_for(backend: str, gate: Gate, dot_dtype: str = "float32",
+               normalize_qk: bool = False, chunk_size: int = 64) -> Stages:
+    """The Stages of (backend, gate) built for these settings (see ``StageOptions``)."""
+    impl = implementation(backend, gate)
+    if normalize_qk and impl.normalize_max_k == 0:
+        raise ValueError(f"normalize_qk: the {impl.backend} stages for the {gate.value} gate "
+                         f"do not normalise q, k themselves")
+    return impl.build(StageOptions(gate, backend == "interpret", dot_dtype, normalize_qk,
+                                   chunk_size))

@@ -5,13 +5,15 @@
 Stages, as ``backend="pallas"`` runs them for bf16 inputs, one sequence or the packed
 sequences of --cu-seqlens (the kernels read q, k, v, g, beta and write o token-major, in
 place): the L2 norm of q and
-k (XLA; only above NORMALIZE_IN_KERNELS_MAX_K, else the kernels normalise), the intra-chunk
+k (XLA; only above the Pallas GDN implementation's normalize_max_k, else the kernels
+normalise), the intra-chunk
 terms (writing the inverse too when the forward runs for a backward), the backward's
 recomputation of w and u from it, the forward state recurrence fused with the output
 (what the forward runs), the forward recurrence that stores h and v_new (what the backward
 recomputes), the reverse recurrence, and the input cotangents; then the whole op. With
 --variants, rows marked "variant" re-time a stage in another form (not what ships): the
-chunk layout's transpose, other tile and warp counts. --interpret runs the kernels in
+chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
+state columns per program, warps, pipeline stages). --interpret runs the kernels in
 interpret mode (a smoke test on the CPU, with small --T and --H).
 """
 from __future__ import annotations
@@ -46,11 +48,12 @@ def main(argv=None):
 
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas import triton as pltriton
     import jaxcp
+    from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
-    from jaxcp.ops import NORMALIZE_IN_KERNELS_MAX_K
+    from jaxcp.pallas.config import ChunkBlocks, StateBlocks
+    from jaxcp.stages import implementation
     from jaxcp.pallas import grads as pgrads
     from jaxcp.pallas import intra as pintra
     from jaxcp.pallas import state as pstate
@@ -86,7 +89,7 @@ def main(argv=None):
         return fn(*xs)
 
     raw_q, raw_k = q, k
-    norm_inside = D <= NORMALIZE_IN_KERNELS_MAX_K
+    norm_inside = implementation("pallas", Gate.SCALAR).normalizes_qk(D)
     if not norm_inside:
         q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
     token_args = (q, k, v, g, beta)
@@ -100,22 +103,23 @@ def main(argv=None):
         *xs, layout, C, kept, precise=False, **pallas), pintra.kept_for_w_u(terms),
         *token_args)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
-    kw = dict(dot_dtype=bf16, interpret=args.interpret, token_major=True)
-    output = lambda t: pstate.state_output(t, layout, None, h0, False, **kw)[0]
+    kw = dict(gate=Gate.SCALAR, dot_dtype=bf16, interpret=args.interpret, token_major=True)
+    output = lambda t, blocks=None: pstate.state_output(t, layout, None, h0, False,
+                                                        blocks=blocks, **kw)[0]
     timed("state_output (fwd recurrence + output)", output, terms)
     h, vn, _ = timed("state_fwd (stores h, v_new)", lambda t: pstate.state_fwd(
         t, layout, None, h0, **kw), terms)
     do = r(1, T, H, D)
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
         t, layout, d, None, h0, **kw), terms, do)
-    grads = lambda *xs: pgrads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:], precise=False,
-                                           **pallas)
+    grads = lambda *xs, blocks=None: pgrads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:],
+                                                        precise=False, blocks=blocks, **pallas)
     timed("chunk_grads", grads, *token_args, terms, h, vn, x, dvn, do)
 
     if args.variants:
         timed("variant: to_chunks (the padded chunk layout, a gather)", lambda *xs: tuple(
             to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
-        # the other side of NORMALIZE_IN_KERNELS_MAX_K: kernels normalising q, k or not
+        # the other side of normalize_max_k: kernels normalising q, k or not
         if norm_inside:
             timed("variant: l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), raw_q, raw_k)
         other = dict(pallas, normalize_qk=not norm_inside)
@@ -127,23 +131,18 @@ def main(argv=None):
         timed(f"variant: chunk_grads {how}", lambda *xs: pgrads.chunk_grads(
             *xs[:5], scale, layout, C, *xs[5:], precise=False, **other),
             *flipped, terms, h, vn, x, dvn, do)
-        block_cols = pstate._block_cols
         for bv in (32, 16):
-            pstate._block_cols = lambda n, k, bv=bv: min(n, bv)
-            timed(f"variant: state_output BV={bv}", output, terms)
-        pstate._block_cols = block_cols
+            timed(f"variant: state_output BV={bv}",
+                  partial(output, blocks=StateBlocks(block_cols=bv)), terms)
         for warps, stages in ((8, 3), (4, 2)) if not args.interpret else ():
-            params = lambda interpret, *_, w=warps, n=stages: {
-                "compiler_params": pltriton.CompilerParams(num_warps=w, num_stages=n)}
-            pintra._params, pgrads._params, pstate._params = params, params, params
+            chunk_blocks = ChunkBlocks(num_warps=warps, num_stages=stages)
+            state_blocks = StateBlocks(num_warps=warps, max_stages=stages)
             timed(f"variant: intra_chunk {warps} warps, {stages} stages",
-                  lambda *xs: intra(*xs), *token_args)
-            timed(f"variant: state_output {warps} warps, {stages} stages", output, terms)
-            timed(f"variant: chunk_grads {warps} warps, {stages} stages", grads,
-                  *token_args, terms, h, vn, x, dvn, do)
-        import importlib
-        for mod in (pstate, pintra, pgrads):
-            importlib.reload(mod)
+                  partial(intra, blocks=chunk_blocks), *token_args)
+            timed(f"variant: state_output {warps} warps, {stages} stages",
+                  partial(output, blocks=state_blocks), terms)
+            timed(f"variant: chunk_grads {warps} warps, {stages} stages",
+                  partial(grads, blocks=chunk_blocks), *token_args, terms, h, vn, x, dvn, do)
 
     op = partial(jaxcp.chunk_gated_delta_rule, use_qk_l2norm_in_kernel=True,
                  cu_seqlens=cu_seqlens,

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh
 
     from jaxcp.models import LM
-    from jaxcp.ops import resolve_backend
+    from jaxcp.stages import resolve_backend
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
                              replicate, shard_batch)
 

@@ -1,9 +1,13 @@
 """The chunked XLA path against the token reference: outputs, final states, gradients."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxcp
+from jaxcp.gate import Gate
+from jaxcp.stages import IMPLEMENTATIONS
 from helpers import OPS, TOL, assert_rel, cotangents, make_inputs, value_and_grads
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -67,9 +71,11 @@ def test_pallas_interpret_matches_reference(kind, dtype):
 
 
 def test_pallas_interpret_l2norm_before_kernels(monkeypatch):
-    """Above NORMALIZE_IN_KERNELS_MAX_K (K = 256 in use) XLA normalises q, k before the GDN
-    kernels instead of the kernels doing it: the same op."""
-    monkeypatch.setattr(jaxcp.ops, "NORMALIZE_IN_KERNELS_MAX_K", 16)
+    """Above the implementation's normalize_max_k (K = 256 in use) XLA normalises q, k before
+    the GDN kernels instead of the kernels doing it: the same op."""
+    key = ("pallas", Gate.SCALAR)
+    monkeypatch.setitem(IMPLEMENTATIONS, key,
+                        dataclasses.replace(IMPLEMENTATIONS[key], normalize_max_k=16))
     normalised = []
     norm = jaxcp.ops.l2_normalize
     monkeypatch.setattr(jaxcp.ops, "l2_normalize", lambda x: normalised.append(x) or norm(x))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxcp import xla
+from jaxcp.gate import Gate
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
@@ -13,6 +14,7 @@ from jaxcp.pallas import state as pstate
 from helpers import assert_rel, make_inputs
 
 KINDS = ["gdn", "kda"]
+GATES = {"gdn": Gate.SCALAR, "kda": Gate.CHANNEL}
 
 
 def token_layout(T, C, cu=None, device=0, world=1):
@@ -46,7 +48,8 @@ def chunk_terms(kind, cu, T, HV=2, K=16, V=32, C=16, with_init=True, device=0, w
     layout, tmap = build_layout(1, T, C, cu, device * T, world * T)
     NT = num_chunks(T, C, cu.shape[0] - 1)
     ch = lambda x: to_chunks(x, tmap, NT, C)
-    terms = xla.intra_chunk(ch(q), ch(k) / 4, ch(v), ch(g), ch(beta), K ** -0.5)
+    terms = xla.intra_chunk(ch(q), ch(k) / 4, ch(v), ch(g), ch(beta), K ** -0.5,
+                            gate=GATES[kind])
     return terms, layout, (h0 if with_init else None)
 
 
@@ -59,10 +62,10 @@ def test_state_fwd(kind, with_init):
     terms, layout, init = chunk_terms(kind, CU, 70, with_init=with_init)
     h0 = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, 16, 32)), jnp.float32)
     want = xla.state_fwd(terms, layout, init, h0)
-    got = pstate.state_fwd(terms, layout, init, h0, interpret=True)
+    got = pstate.state_fwd(terms, layout, init, h0, gate=GATES[kind], interpret=True)
     for name, a, b in zip(("h", "v_new", "last"), got, want):
         assert_rel(a, b, 1e-5, name)
-    assert_rel(pstate.state_last(terms, layout, init, h0, interpret=True), want[2], 1e-5, "last")
+    assert_rel(pstate.state_last(terms, layout, init, h0, gate=GATES[kind], interpret=True), want[2], 1e-5, "last")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -73,11 +76,12 @@ def test_state_output(kind, with_init):
                                       device=1, world=2)
     h0 = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, 16, 32)), jnp.float32)
     want = xla.state_output(terms, layout, init, h0, True)
-    got = pstate.state_output(terms, layout, init, h0, True, interpret=True)
+    got = pstate.state_output(terms, layout, init, h0, True, gate=GATES[kind], interpret=True)
     assert float(jnp.abs(want[1][0]).max()) == 0.0
     for name, a, b in zip(("o", "finals"), got, want):
         assert_rel(a, b, 1e-5, name)
-    assert pstate.state_output(terms, layout, init, h0, False, interpret=True)[1] is None
+    assert pstate.state_output(terms, layout, init, h0, False, gate=GATES[kind],
+                                interpret=True)[1] is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -87,7 +91,7 @@ def test_cp_summary(kind, cu):
     sequences starting at tokens 90 and 100 of this device's [70, 140): M is zero, and S_ext
     comes from the chunks after the last start alone (the kernels skip the others)."""
     terms, layout, init = chunk_terms(kind, cu, 70, device=1, world=3, gate_scale=0.02)
-    got = pstate.cp_summary(terms, layout, init, interpret=True)
+    got = pstate.cp_summary(terms, layout, init, gate=GATES[kind], interpret=True)
     want = xla.cp_summary(terms, layout, init)
     assert float(jnp.abs(got[0]).max()) > 0.01
     assert_rel(got[0], want[0], 1e-5, "S_ext")
@@ -107,9 +111,10 @@ def test_unused_summaries_are_zero():
     do = jnp.asarray(np.random.default_rng(4).standard_normal(terms.u.shape), jnp.float32)
     d_last = jnp.zeros((1, 2, 16, 32), jnp.float32)
     for flag in (jnp.bool_(True), jnp.bool_(False)):
-        got = (*pstate.cp_summary(terms, layout, init, unused=flag, interpret=True),
-               pstate.state_bwd(terms, layout, do, None, d_last, entry_only=True, unused=flag,
-                                interpret=True))
+        got = (*pstate.cp_summary(terms, layout, init, gate=Gate.SCALAR, unused=flag,
+                                  interpret=True),
+               pstate.state_bwd(terms, layout, do, None, d_last, gate=Gate.SCALAR,
+                                entry_only=True, unused=flag, interpret=True))
         want = (*xla.cp_summary(terms, layout, init, unused=flag),
                 xla.state_bwd(terms, layout, do, None, d_last, entry_only=True, unused=flag))
         for name, a, b in zip(("S_ext", "M", "d_entry"), got, want):
@@ -132,12 +137,13 @@ def test_state_bwd(kind, entry_only, device):
     d_last = jnp.asarray(rng.standard_normal((1, 2, 16, 32)), jnp.float32)
     want = xla.state_bwd(terms, layout, do, d_final, d_last, with_d_init=True,
                          entry_only=entry_only)
-    got = pstate.state_bwd(terms, layout, do, d_final, d_last, with_d_init=True,
-                           entry_only=entry_only, interpret=True)
+    got = pstate.state_bwd(terms, layout, do, d_final, d_last, gate=GATES[kind],
+                           with_d_init=True, entry_only=entry_only, interpret=True)
     if entry_only:
         want, got = (want,), (got,)
     else:
-        assert pstate.state_bwd(terms, layout, do, d_final, d_last, interpret=True)[1] is None
+        assert pstate.state_bwd(terms, layout, do, d_final, d_last, gate=GATES[kind],
+                                interpret=True)[1] is None
         assert (float(jnp.abs(got[1][0]).max()) == 0.0) == (device == 1)
     for name, a, b in zip(("d_entry", "d_init", "x", "dvn"), got, want):
         assert_rel(a, b, 1e-5, name)
@@ -159,7 +165,7 @@ def test_intra_chunk_gdn(C, layout_name, correlated):
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True) if correlated else k / 6
     layout, chunks, _ = token_layout(T, C, cu)
     args = (q, k, v, g[..., None], beta)
-    want = xla.intra_chunk(*map(chunks, args), 0.25, with_inverse=True)
+    want = xla.intra_chunk(*map(chunks, args), 0.25, gate=Gate.SCALAR, with_inverse=True)
     got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True)
     assert pintra.intra_chunk(*args, 0.25, layout, C, interpret=True).inv is None
     assert float(jnp.abs(want.inv).max()) < 2.0
@@ -193,8 +199,8 @@ def test_chunk_grads_gdn(C, K, V, layout_name):
     T, cu = LAYOUTS[layout_name]
     args, rest, do, layout, chunks, tokens = grads_inputs(T, C, cu, K, V, 5)
     args = (args[0], args[1] / 6) + args[2:]
-    terms = xla.intra_chunk(*map(chunks, args), 0.25, with_inverse=True)
-    want = xla.chunk_grads(*map(chunks, args), 0.25, terms, *rest, chunks(do))
+    terms = xla.intra_chunk(*map(chunks, args), 0.25, gate=Gate.SCALAR, with_inverse=True)
+    want = xla.chunk_grads(*map(chunks, args), 0.25, terms, *rest, chunks(do), gate=Gate.SCALAR)
     got = pgrads.chunk_grads(*args, 0.25, layout, C, terms, *rest, do, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, tokens(b), 1e-5, name)
@@ -212,7 +218,8 @@ def test_normalize_qk_in_kernels(layout_name):
     args = (3 * args[0], args[1] / 2) + args[2:]          # rows far from unit norm
     unit = lambda q, k: (l2_normalize(q), l2_normalize(k))
     chunked = tuple(map(chunks, args))
-    want = xla.intra_chunk(*unit(*chunked[:2]), *chunked[2:], 0.25, with_inverse=True)
+    want = xla.intra_chunk(*unit(*chunked[:2]), *chunked[2:], 0.25, gate=Gate.SCALAR,
+                           with_inverse=True)
     got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True,
                              normalize_qk=True)
     assert_terms(plain(got, chunks), want, 1e-5)
@@ -221,7 +228,8 @@ def test_normalize_qk_in_kernels(layout_name):
     assert_terms(plain(again, chunks), want, 1e-5)
 
     (qn, kn), unit_vjp = jax.vjp(unit, *chunked[:2])
-    dqn, dkn, *others = xla.chunk_grads(qn, kn, *chunked[2:], 0.25, want, *rest, chunks(do))
+    dqn, dkn, *others = xla.chunk_grads(qn, kn, *chunked[2:], 0.25, want, *rest, chunks(do),
+                                        gate=Gate.SCALAR)
     want_grads = (*unit_vjp((dqn, dkn)), *others)
     got = pgrads.chunk_grads(*args, 0.25, layout, C, want, *rest, do, interpret=True,
                              normalize_qk=True)
@@ -248,7 +256,7 @@ def test_state_kernels_read_tokens_in_place(layout_name, device):
     tiles = plain(factored, chunks)
     do = jnp.asarray(np.random.default_rng(7).standard_normal(v.shape), jnp.float32)
     carry = h0[:1]
-    kw = dict(interpret=True)
+    kw = dict(gate=Gate.SCALAR, interpret=True)
     # (name, run(terms, token_major), converts the token-major outputs to chunk layout)
     runs = [
         ("state_output", lambda t, tm: pstate.state_output(t, layout, h0, carry, True,
@@ -270,22 +278,32 @@ def test_state_kernels_read_tokens_in_place(layout_name, device):
             assert_rel(a if c is None else c(a), b, 1e-5, f"{name} output {i}")
 
 
-def test_token_major_only_for_pallas_gdn():
-    """The XLA stages and KDA's jnp stages read chunk layout only; GDN's Pallas stages
-    token-major only; the state kernels read token-major q, k only as row-factored terms."""
-    from jaxcp.stages import stages_for
-    with pytest.raises(ValueError, match="token_major"):
-        stages_for("xla", "float32", True)
+def test_implementation_table():
+    """The table says each implementation's policy: token-major tensors and in-kernel
+    normalisation only for the Pallas GDN stages; "interpret" runs the Pallas entries; a
+    normalize_qk that an implementation cannot do, or an unknown backend, is refused; the
+    state kernels read token-major q, k only as row-factored terms."""
+    from jaxcp.stages import implementation, stages_for
+    assert implementation("interpret", Gate.SCALAR) is implementation("pallas", Gate.SCALAR)
+    assert [implementation(b, gate).token_major for b in ("xla", "pallas")
+            for gate in Gate] == [False, False, True, False]
+    assert implementation("pallas", Gate.SCALAR).normalizes_qk(128)
+    assert not implementation("pallas", Gate.SCALAR).normalizes_qk(256)
+    assert implementation("pallas", Gate.SCALAR).io_dtype("bfloat16") == jnp.bfloat16
+    assert implementation("pallas", Gate.CHANNEL).io_dtype("bfloat16") == jnp.float32
+    for backend, gate in (("xla", Gate.SCALAR), ("interpret", Gate.CHANNEL)):
+        with pytest.raises(ValueError, match="normalize_qk"):
+            stages_for(backend, gate, "float32", True)
+    with pytest.raises(ValueError, match="backend"):
+        implementation("cuda", Gate.SCALAR)
     layout, chunks, _ = token_layout(64, 16)
-    q, k, v, g, beta, _ = make_inputs("kda", 1, 64, 1, 1, 16, 16)
-    with pytest.raises(ValueError, match="token_major"):
-        stages_for("interpret", "float32", True).intra(q, k, v, g, beta, 0.25, layout)
-    gdn = (q, k, v, g[..., :1], beta)
-    with pytest.raises(ValueError, match="token_major"):
-        stages_for("interpret", "float32", False).intra(*map(chunks, gdn), 0.25, layout)
-    terms = xla.intra_chunk(*map(chunks, gdn), 0.25)
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 64, 1, 1, 16, 16)
+    terms = xla.intra_chunk(*map(chunks, (q, k, v, g[..., None], beta)), 0.25, gate=Gate.SCALAR)
     with pytest.raises(ValueError, match="row-factored"):
-        pstate.state_last(terms, layout, None, jnp.zeros((1, 1, 16, 16)), token_major=True,
+        pstate.state_last(terms, layout, None, jnp.zeros((1, 1, 16, 16)), gate=Gate.SCALAR,
+                          token_major=True, interpret=True)
+    with pytest.raises(ValueError, match="gate"):
+        pstate.state_last(terms, layout, None, jnp.zeros((1, 1, 16, 16)), gate=Gate.CHANNEL,
                           interpret=True)
 
 
@@ -297,7 +315,8 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
     rounded = terms._replace(w=bf16(terms.w), kd=bf16(terms.kd), u=bf16(terms.u))
     exact = rounded._replace(w=rounded.w.astype(jnp.float32), kd=rounded.kd.astype(jnp.float32),
                              u=rounded.u.astype(jnp.float32))
-    m = pstate.cp_summary(rounded, layout, init, interpret=True, dot_dtype=jnp.bfloat16)[1]
+    m = pstate.cp_summary(rounded, layout, init, gate=Gate.SCALAR, interpret=True,
+                         dot_dtype=jnp.bfloat16)[1]
     want = xla.cp_summary(exact, layout, init)[1]
     assert float(jnp.abs(want - jnp.eye(16)).max()) > 0.01
     assert_rel(m, want, 1e-4, "M")

@@ -31,44 +31,59 @@ r_q = (q . q + eps)^(-1/2) per row); the formulas above run on q_n, k_n, and the
 over dq (step 1) and dk (step 2) applies the normalisation's vjp:
 dq = r_q (dq_n - q_n rowsum(dq_n o q_n)), the same for k.
 
-Only [C, C] tiles and [C, 64] blocks are live at a time; split in two, each kernel holds
+Only [C, C] tiles and [C, col_block] blocks (``ChunkBlocks``) are live at a time; split in two, each kernel holds
 few enough of them that registers hardly spill (one fused kernel spent most of its time
 on spill traffic). For bf16 inputs every product has bf16 operands (fp32 tiles are
 rounded), as in FLA's backward, and dw, dk1 are stored in bf16.
 """
 from __future__ import annotations
 
-from functools import partial
+from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.intra import (_chunk_rows, _chunk_specs, _col_blocks, _col_tiles, _dots,
-                                _gates, _gram, _row_scale, _scale_gram, _sum_dots, _with_table)
-from jaxcp.pallas.state import _params
-from jaxcp.pallas.tokens import Tile, has_table
-from jaxcp.vma import unify
+from jaxcp.pallas.common import (Operands, add_chunk_rows, call, chunk_specs, col_tiles,
+                                 dots as make_dots, gram, named, row_scale, rows_of_chunk,
+                                 scalar_gates, scale_gram, sum_dots, unit_rows)
+from jaxcp.pallas.config import ChunkBlocks
+from jaxcp.pallas.tokens import Tile
 from jaxcp.xla.intra import ChunkTerms
 
 
-def _inter_kernel(*refs, scale, dots, normalize, table, C):
+class _InterRefs(NamedTuple):
+    q: object
+    k: object
+    g: object
+    do: object
+    attn: object
+    h: object
+    v_new: object
+    x: object
+    dvn: object
+    dq: object
+    dk1: object
+    dw: object
+    dg1: object
+    token_start: object = None
+    token_count: object = None
+
+
+def _inter_kernel(*refs, names, scale, dots, normalize, blocks, C):
     """Step 1: dq, the partial dk, dw and the partial dG of one (chunk, head)."""
-    refs = list(refs)
-    rows = _chunk_rows(refs, C, table)
-    (q_ref, k_ref, g_ref, do_ref, attn_ref, h_ref, vn_ref, x_ref, dvn_ref, dq_ref, dk_ref,
-     dw_ref, dg_ref) = refs
-    q, k, do, dq_out, dk_out = (Tile(r, rows) for r in (q_ref, k_ref, do_ref, dq_ref, dk_ref))
-    vn, dvn = Tile(vn_ref), Tile(dvn_ref)
-    gates = _gates(Tile(g_ref, rows).all().astype(jnp.float32))
+    r = named(_InterRefs, names, refs)
+    rows = rows_of_chunk(r, C)
+    q, k, do, dq_out, dk_out = (Tile(ref, rows) for ref in (r.q, r.k, r.do, r.dq, r.dk1))
+    vn, dvn = Tile(r.v_new), Tile(r.dvn)
+    gates = scalar_gates(Tile(r.g, rows).all().astype(jnp.float32))
     dot = dots.plain
     K, V = k.width, vn.width
-    bk, bv = _col_blocks(K), _col_blocks(V)
-    rq, rk = _row_scale(q, bk, normalize), _row_scale(k, bk, normalize)
-    dattn = _sum_dots(dot, do, _col_tiles(vn, bv), bv)
-    p = dattn * attn_ref[...].astype(jnp.float32)
+    bk, bv = blocks.cols(K), blocks.cols(V)
+    rq, rk = row_scale(q, bk, normalize), row_scale(k, bk, normalize)
+    dattn = sum_dots(dot, do, col_tiles(vn, bv), bv)
+    p = dattn * r.attn[...].astype(jnp.float32)
     dG = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
     d = dattn * gates.causal() * scale
     dG_last = jnp.zeros((), jnp.float32)
@@ -77,15 +92,15 @@ def _inter_kernel(*refs, scale, dots, normalize, table, C):
                                   for j in range(V // bv)]
     # one [C, bk] accumulator at a time: fewer live tiles, no spills to local memory
     for i in range(K // bk):
-        qi, ki = _unit_rows(q, i, bk, rq), _unit_rows(k, i, bk, rk)
-        dqg = _sum_dots(dot, do, state_tiles(h_ref, i), bv)
+        qi, ki = unit_rows(q, i, bk, rq), unit_rows(k, i, bk, rk)
+        dqg = sum_dots(dot, do, state_tiles(r.h, i), bv)
         dq = dqg * (gates.eg * scale)[:, None] + dot(d, ki)
         dq_out.set_cols(i, bk, dq)
         if normalize:
             dq_q += jnp.sum(dq * qi, axis=1)
         dG += jnp.sum(dqg * qi, axis=1) * gates.eg * scale
         dkd = None
-        for j, (h, x) in enumerate(zip(state_tiles(h_ref, i), state_tiles(x_ref, i))):
+        for j, (h, x) in enumerate(zip(state_tiles(r.h, i), state_tiles(r.x, i))):
             term = dot(vn.cols(j, bv), x.T)
             dkd = term if dkd is None else dkd + term
             dG_last += jnp.sum(h.astype(jnp.float32) * x.astype(jnp.float32)) * gates.last
@@ -93,20 +108,13 @@ def _inter_kernel(*refs, scale, dots, normalize, table, C):
         dkd_kd = jnp.sum(dkd * ki, axis=1) * gates.tail
         dG -= dkd_kd
         dG_last += jnp.sum(dkd_kd)
-        dw = -_sum_dots(dot, dvn, state_tiles(h_ref, i), bv)
-        Tile(dw_ref).set_cols(i, bk, dw)
+        dw = -sum_dots(dot, dvn, state_tiles(r.h, i), bv)
+        Tile(r.dw).set_cols(i, bk, dw)
     if normalize:
         _normalize_vjp(dq_out, q, rq, dq_q, bk)
     # dG_C reaches every row of the reverse cumsum: add it to the last row
     C = dG.shape[0]
-    dg_ref[...] = dG + jnp.where(lax.iota(jnp.int32, C) == C - 1, dG_last, 0.0)
-
-
-def _unit_rows(x: Tile, i: int, bk: int, r):
-    """Block i of bk columns of a [C, d] tile in float32, its rows scaled by r (None: as
-    stored)."""
-    y = x.cols(i, bk).astype(jnp.float32)
-    return y if r is None else y * r[:, None]
+    r.dg1[...] = dG + jnp.where(lax.iota(jnp.int32, C) == C - 1, dG_last, 0.0)
 
 
 def _normalize_vjp(dx: Tile, x: Tile, r, dy_y, bk: int):
@@ -116,27 +124,45 @@ def _normalize_vjp(dx: Tile, x: Tile, r, dy_y, bk: int):
     vjp a bf16 cotangent. The store and this load of a block use the same layout, so each
     element is read back by the thread that wrote it."""
     for i in range(x.width // bk):
-        y = _unit_rows(x, i, bk, r)
+        y = unit_rows(x, i, bk, r)
         dy = dx.cols(i, bk).astype(jnp.float32)
         dx.set_cols(i, bk, (dy - y * dy_y[:, None]) * r[:, None])
 
 
-def _wy_kernel(*refs, dots, normalize, table, C):
-    """Step 2: the WY backward of one (chunk, head); dk1_ref and dk_ref are one buffer."""
-    refs = list(refs)
-    rows = _chunk_rows(refs, C, table)
-    (k_ref, v_ref, g_ref, beta_ref, dk1_ref, w_ref, u_ref, inv_ref, dvn_ref, dw_ref, dg1_ref,
-     dk_ref, dv_ref, dg_ref, dbeta_ref) = refs
-    k, v, dk1, dk_out, dv = (Tile(r, rows) for r in (k_ref, v_ref, dk1_ref, dk_ref, dv_ref))
-    w, u, dvn, dw = Tile(w_ref), Tile(u_ref), Tile(dvn_ref), Tile(dw_ref)
-    g = Tile(g_ref, rows).all().astype(jnp.float32)
-    beta = Tile(beta_ref, rows).all().astype(jnp.float32)
-    gates = _gates(g)
+class _WYRefs(NamedTuple):
+    k: object
+    v: object
+    g: object
+    beta: object
+    dk1: object
+    w: object
+    u: object
+    inv: object
+    dvn: object
+    dw: object
+    dg1: object
+    dk: object
+    dv: object
+    dg: object
+    dbeta: object
+    token_start: object = None
+    token_count: object = None
+
+
+def _wy_kernel(*refs, names, dots, normalize, blocks, C):
+    """Step 2: the WY backward of one (chunk, head); dk1 and dk are one buffer."""
+    r = named(_WYRefs, names, refs)
+    rows = rows_of_chunk(r, C)
+    k, v, dk1, dk_out, dv = (Tile(ref, rows) for ref in (r.k, r.v, r.dk1, r.dk, r.dv))
+    w, u, dvn, dw = Tile(r.w), Tile(r.u), Tile(r.dvn), Tile(r.dw)
+    g = Tile(r.g, rows).all().astype(jnp.float32)
+    beta = Tile(r.beta, rows).all().astype(jnp.float32)
+    gates = scalar_gates(g)
     dot = dots.plain
     K, V = k.width, v.width
-    bk, bv = _col_blocks(K), _col_blocks(V)
-    inv = inv_ref[...]
-    rk = _row_scale(k, bk, normalize)
+    bk, bv = blocks.cols(K), blocks.cols(V)
+    inv = r.inv[...]
+    rk = row_scale(k, bk, normalize)
     da = dbeta = None
     for j in range(V // bv):
         dy = dot(inv.T, dvn.cols(j, bv))
@@ -144,9 +170,9 @@ def _wy_kernel(*refs, dots, normalize, table, C):
         da_j = -dot(dy, u.cols(j, bv).T)
         dbeta_j = jnp.sum(dy * v.cols(j, bv).astype(jnp.float32), axis=1)
         da, dbeta = (da_j, dbeta_j) if da is None else (da + da_j, dbeta + dbeta_j)
-    dG = dg1_ref[...].astype(jnp.float32)
+    dG = r.dg1[...].astype(jnp.float32)
     for i in range(K // bk):
-        ki = _unit_rows(k, i, bk, rk)
+        ki = unit_rows(k, i, bk, rk)
         dxk = dot(inv.T, dw.cols(i, bk))
         da -= dot(dxk, w.cols(i, bk).T)
         dxk_k = jnp.sum(dxk * ki, axis=1) * gates.eg
@@ -155,13 +181,13 @@ def _wy_kernel(*refs, dots, normalize, table, C):
     strict = gates.strict()
     z = beta[:, None] * da * strict
     # R = dA o A = beta_i da_kk
-    da_kk = da * strict * _scale_gram(_gram(k, k, dots, bk), rk, rk)
-    r = beta[:, None] * da_kk
-    dG += jnp.sum(r, axis=1) - jnp.sum(r, axis=0)
-    Tile(dbeta_ref, rows).set_all(dbeta + jnp.sum(da_kk, axis=1))
+    da_kk = da * strict * scale_gram(gram(k, k, dots, bk), rk, rk)
+    rr = beta[:, None] * da_kk
+    dG += jnp.sum(rr, axis=1) - jnp.sum(rr, axis=0)
+    Tile(r.dbeta, rows).set_all(dbeta + jnp.sum(da_kk, axis=1))
     dk_k = jnp.zeros_like(dG)
     for i in range(K // bk):
-        ki = _unit_rows(k, i, bk, rk)
+        ki = unit_rows(k, i, bk, rk)
         # dXk again: cheaper than storing dk1 + beta exp(G) dXk above and loading it here
         dxk = dot(inv.T, dw.cols(i, bk))
         dki = (dk1.cols(i, bk).astype(jnp.float32) + dxk * (beta * gates.eg)[:, None]
@@ -171,50 +197,68 @@ def _wy_kernel(*refs, dots, normalize, table, C):
             dk_k += jnp.sum(dki * ki, axis=1)
     if normalize:
         _normalize_vjp(dk_out, k, rk, dk_k, bk)
-    Tile(dg_ref, rows).set_all(jnp.sum(dG) - jnp.cumsum(dG) + dG)
+    Tile(r.dg, rows).set_all(jnp.sum(dG) - jnp.cumsum(dG) + dG)
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int,
                 terms: ChunkTerms, h, v_new, x, dvn, do, *, interpret: bool = False,
-                precise: bool = True, normalize_qk: bool = False):
+                precise: bool = True, normalize_qk: bool = False,
+                blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) in the dtypes and the
     token-major layout of q, k, v, g, beta ([B, T, HV, ...], chunks as in ``intra_chunk``;
     do too); accumulation is float32. terms must carry the inverse
     (``intra_chunk(..., with_inverse=True)``). normalize_qk: q, k are raw and the terms are
     those of their L2-normalised rows (``intra_chunk(normalize_qk=True)``); dq, dk are then
-    the cotangents of the raw q, k (the normalisation's vjp is applied in the kernels)."""
+    the cotangents of the raw q, k (the normalisation's vjp is applied in the kernels).
+    blocks: the launch configuration (``ChunkBlocks.default`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    sp = _chunk_specs(C, T)
+    blocks = blocks or ChunkBlocks.default(K, k.dtype)
+    sp = chunk_specs(C, T)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     g_shape = g.shape
-    table = has_table(layout)
-    args, mat = unify(_with_table(layout, [q, k, v, g.reshape(B, T, HV), beta, do, terms.w,
-                                           terms.u, terms.attn, terms.inv, h, v_new, x, dvn]))
-    out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    rows_args, args = args[:2 * table], args[2 * table:]
-    q, k, v, g, beta, do, w, u, attn, inv, h, v_new, x, dvn = args
-    dots = _dots(precise, interpret, rounded=True)
-    rows, tk, tv, tvec = [sp.chunk_rows] * (2 * table), sp.token(K), sp.token(V), sp.token(None)
-    kw = dict(dots=dots, normalize=normalize_qk, table=table, C=C)
-    # dw is an operand of bf16 products for bf16 inputs: stored in q's dtype, nothing is lost
-    dq, dk1, dw, dg1 = pl.pallas_call(
-        partial(_inter_kernel, scale=scale, **kw), grid=(NT, B, HV),
-        in_specs=rows + [tk, tk, tvec, tv, sp.tile(C), state, sp.tile(V), state, sp.tile(V)],
-        out_specs=[tk, tk, sp.tile(K), sp.vec],
-        out_shape=[out(q.shape, q.dtype), out(k.shape, k.dtype),
-                   out(w.shape, q.dtype), out(attn.shape[:-1], jnp.float32)],
-        **_params(interpret, 0))(*rows_args, q, k, g, do, attn, h, v_new, x, dvn)
-    dk, dv, dg, dbeta = pl.pallas_call(
-        partial(_wy_kernel, **kw), grid=(NT, B, HV),
-        in_specs=rows + [tk, tv, tvec, tvec, tk, sp.tile(K), sp.tile(V), sp.tile(C),
-                         sp.tile(V), sp.tile(K), sp.vec],
-        out_specs=[tk, tv, tvec, tvec],
-        out_shape=[out(k.shape, k.dtype), out(v.shape, v.dtype), out(g.shape, g.dtype),
-                   out(beta.shape, beta.dtype)],
-        input_output_aliases={len(rows_args) + 4: 0},
-        **_params(interpret, 0))(*rows_args, k, v, g, beta, dk1, w, u, inv, dvn, dw, dg1)
-    return dq, dk, dv, dg.reshape(g_shape), dbeta
+    g = g.reshape(B, T, HV)
+    kw = dict(params=blocks.params(interpret), dots=make_dots(precise, interpret, rounded=True),
+              normalize=normalize_qk, blocks=blocks, C=C)
+
+    inter = Operands()
+    add_chunk_rows(inter, sp, layout)
+    for name, spec, val in (("q", sp.token(K), q), ("k", sp.token(K), k),
+                            ("g", sp.token(None), g), ("do", sp.token(V), do),
+                            ("attn", sp.tile(C), terms.attn), ("h", state, h),
+                            ("v_new", sp.tile(V), v_new), ("x", state, x),
+                            ("dvn", sp.tile(V), dvn)):
+        inter.add(name, spec, val)
+
+    def inter_outs(out, struct):
+        out.add("dq", sp.token(K), struct(q.shape, q.dtype))
+        out.add("dk1", sp.token(K), struct(k.shape, k.dtype))
+        # an operand of bf16 products for bf16 inputs: stored in q's dtype, nothing is lost
+        out.add("dw", sp.tile(K), struct(terms.w.shape, q.dtype))
+        out.add("dg1", sp.vec, struct(terms.attn.shape[:-1], jnp.float32))
+
+    step1, _ = call(_inter_kernel, (NT, B, HV), inter, inter_outs, name="gdn_grads_inter",
+                    scale=scale, **kw)
+
+    wy = Operands()
+    add_chunk_rows(wy, sp, layout)
+    for name, spec, val in (("k", sp.token(K), k), ("v", sp.token(V), v),
+                            ("g", sp.token(None), g), ("beta", sp.token(None), beta),
+                            ("dk1", sp.token(K), step1["dk1"]), ("w", sp.tile(K), terms.w),
+                            ("u", sp.tile(V), terms.u), ("inv", sp.tile(C), terms.inv),
+                            ("dvn", sp.tile(V), dvn), ("dw", sp.tile(K), step1["dw"]),
+                            ("dg1", sp.vec, step1["dg1"])):
+        wy.add(name, spec, val)
+
+    def wy_outs(out, struct):
+        out.add("dk", sp.token(K), struct(k.shape, k.dtype))
+        out.add("dv", sp.token(V), struct(v.shape, v.dtype))
+        out.add("dg", sp.token(None), struct(g.shape, g.dtype))
+        out.add("dbeta", sp.token(None), struct(beta.shape, beta.dtype))
+
+    step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="gdn_grads_wy",
+                    aliases={"dk1": "dk"}, **kw)
+    return step1["dq"], step2["dk"], step2["dv"], step2["dg"].reshape(g_shape), step2["dbeta"]

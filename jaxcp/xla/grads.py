@@ -16,16 +16,17 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxcp.gate import Gate
 from jaxcp.xla.intra import ChunkTerms, einsum, intra_chunk
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms | None, h, v_new, x, dvn,
-                do):
+                do, *, gate: Gate):
     """(dq, dk, dv, dg, dbeta), shapes of q, k, v, g, beta, float32. h, v_new, x, dvn and do
     may come in a lower precision (the Pallas recurrences store them in the dot dtype)."""
     h, v_new, x, dvn, do = (a.astype(jnp.float32) for a in (h, v_new, x, dvn, do))
     d_decay = jnp.sum(h * x, axis=-1)
-    if g.shape[-1] == 1:
+    if gate is Gate.SCALAR:
         d_decay = jnp.sum(d_decay, axis=-1, keepdims=True)
     d_terms = ChunkTerms(
         w=-einsum("...cv,...kv->...ck", dvn, h),
@@ -35,4 +36,4 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms | None, h, v_n
         decay=d_decay,
         attn=einsum("...iv,...jv->...ij", do, v_new),
     )
-    return jax.vjp(partial(intra_chunk, scale=scale), q, k, v, g, beta)[1](d_terms)
+    return jax.vjp(partial(intra_chunk, scale=scale, gate=gate), q, k, v, g, beta)[1](d_terms)

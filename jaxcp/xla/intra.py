@@ -1,8 +1,8 @@
 """Intra-chunk stages in jnp: gate cumsum, gated inner products, the WY representation.
 
 Layout: a leading batch of chunks (any number of axes, "..."), then the chunk of C tokens.
-q, k [..., C, K]; v [..., C, V]; g [..., C, Kg] with Kg = 1 (GDN, scalar gate) or Kg = K
-(KDA, per-channel gate); beta [..., C]. All float32.
+q, k [..., C, K]; v [..., C, V]; g [..., C, Kg] with Kg = ``Gate.width(K)``: 1 for the
+scalar gate (GDN), K for the per-channel gate (KDA); beta [..., C]. All float32.
 
 With G = cumsum(g) inside the chunk (G_i = sum_{s <= i} g_s) and S_in the state entering the
 chunk, the token recurrence over the chunk is, exactly:
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
+from jaxcp.gate import Gate
 from jaxcp.vma import vary_like
 
 einsum = partial(jnp.einsum, precision=lax.Precision.HIGHEST)
@@ -121,14 +122,15 @@ def _channel_gated_inner_bwd(inclusive, res, ct):
 _channel_gated_inner.defvjp(_channel_gated_inner_fwd, _channel_gated_inner_bwd)
 
 
-def gated_inner(x: jax.Array, y: jax.Array, G: jax.Array, *, inclusive: bool) -> jax.Array:
+def gated_inner(x: jax.Array, y: jax.Array, G: jax.Array, *, inclusive: bool,
+                gate: Gate) -> jax.Array:
     """P_ij = sum_d x_id y_jd exp(G_id - G_jd) for j < i (j <= i if inclusive), else 0.
 
-    x, y [..., C, D]; G [..., C, Kg]. Only differences G_i - G_j with j before i are
-    exponentiated, so decays (g <= 0) never overflow. Scalar gate (Kg = 1):
+    x, y [..., C, D]; G [..., C, Kg] with Kg = gate.width(D). Only differences G_i - G_j
+    with j before i are exponentiated, so decays (g <= 0) never overflow. Scalar gate:
     (x y^T) * exp(G_i - G_j). Per-channel gate: column by column.
     """
-    if G.shape[-1] == 1:
+    if gate is Gate.SCALAR:
         Gs = G[..., 0]
         mask = _causal_mask(x.shape[-2], inclusive)
         decay = jnp.exp(jnp.where(mask, Gs[..., :, None] - Gs[..., None, :], -jnp.inf))
@@ -137,13 +139,13 @@ def gated_inner(x: jax.Array, y: jax.Array, G: jax.Array, *, inclusive: bool) ->
 
 
 def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                scale: float, *, with_inverse: bool = False) -> ChunkTerms:
+                scale: float, *, gate: Gate, with_inverse: bool = False) -> ChunkTerms:
     """The chunk-local part of the delta rule (see the module docstring): gate cumsum, the
     gated kk^T, the unit-lower-triangular solve for w and u, and the output's qk^T; with
-    with_inverse also (I + A)^-1."""
+    with_inverse also (I + A)^-1. g [..., C, gate.width(K)]."""
     G = chunk_local_cumsum(g)
     C = k.shape[-2]
-    A = beta[..., :, None] * gated_inner(k, k, G, inclusive=False)
+    A = beta[..., :, None] * gated_inner(k, k, G, inclusive=False, gate=gate)
     L = A + jnp.eye(C, dtype=A.dtype)
     solve = partial(solve_triangular, lower=True, unit_diagonal=True)
     w = solve(L, k * jnp.exp(G) * beta[..., None])
@@ -156,6 +158,6 @@ def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         qg=q * jnp.exp(G) * scale,
         kd=k * jnp.exp(G_last - G),
         decay=jnp.exp(G_last[..., 0, :]),
-        attn=gated_inner(q, k, G, inclusive=True) * scale,
+        attn=gated_inner(q, k, G, inclusive=True, gate=gate) * scale,
         inv=inv,
     )

@@ -1,0 +1,73 @@
+"""Launch configurations of the Pallas kernels, as data (static arguments of the kernels).
+
+Two families of kernels, two configurations:
+
+- ``StateBlocks``: the chunk state recurrences (``pallas.state``), one program per (batch,
+  value head, block of state columns) looping over the chunks. Its per-chunk tiles are
+  software-pipelined: as many stages as fit in a shared-memory budget.
+- ``ChunkBlocks``: the per-chunk kernels (``pallas.intra``, ``pallas.grads``), one program
+  per (chunk, batch, value head), walking K and V in blocks of columns so that no [C, K] or
+  [C, V] tile stays live across the kernel.
+
+``default(K, dtype, device)`` gives what the kernels ship with. The numbers were measured
+on the H100 and the H200 (docs/benchmarks/kernels.md), where they are the same; ``device``
+(``jax.Device.device_kind``) is where a per-device choice goes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax.experimental.pallas import triton as pltriton
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    if interpret:
+        return {"interpret": True}
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps,
+                                                       num_stages=num_stages)}
+
+
+@dataclass(frozen=True)
+class StateBlocks:
+    """block_cols: state columns per program (BV); num_warps; max_stages: the most pipeline
+    stages; tile_budget: the bytes of per-chunk tiles the stages may hold in shared memory
+    together (H100 and H200: 227 KiB per block, the rest for the products' operands)."""
+    block_cols: int = 64
+    num_warps: int = 4
+    max_stages: int = 3
+    tile_budget: int = 192 * 1024
+
+    @classmethod
+    def default(cls, K: int, dtype=None, device: str | None = None) -> "StateBlocks":
+        """64 state columns per program, 32 at K = 256 (to stay inside shared memory)."""
+        return cls(block_cols=32 if K >= 256 else 64)
+
+    def cols(self, n: int) -> int:
+        """Columns per program for a state of n columns."""
+        return min(n, self.block_cols)
+
+    def params(self, interpret: bool, tile_bytes: int) -> dict:
+        """pallas_call keyword arguments: as many stages as the budget holds tiles of one
+        chunk (tile_bytes), between 1 and max_stages."""
+        stages = max(1, min(self.max_stages, self.tile_budget // max(tile_bytes, 1)))
+        return _compiler_params(interpret, self.num_warps, stages)
+
+
+@dataclass(frozen=True)
+class ChunkBlocks:
+    """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages."""
+    col_block: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def default(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
+        """Blocks of 64 columns (at K = 256 whole tiles would not fit in registers)."""
+        return cls()
+
+    def cols(self, d: int) -> int:
+        """Columns per loop step over a width of d."""
+        return min(d, self.col_block)
+
+    def params(self, interpret: bool) -> dict:
+        return _compiler_params(interpret, self.num_warps, self.num_stages)
