@@ -143,20 +143,13 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 # K = 128 it saves the norm's passes over q, k (op forward 5.48 -> 5.09 ms, fwd+bwd 17.39 ->
 # 16.62 at T = 32768, H = 64); at K = 256 the intra kernel normalises at no cost but the
 # cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53.
-IMPLEMENTATIONS = {
-    ("xla", Gate.SCALAR): Implementation("xla", Gate.SCALAR, token_major=False,
-                                         normalize_max_k=0, narrow_io=False,
-                                         build=_xla_stages),
-    ("xla", Gate.CHANNEL): Implementation("xla", Gate.CHANNEL, token_major=False,
-                                          normalize_max_k=0, narrow_io=False,
-                                          build=_xla_stages),
-    ("pallas", Gate.SCALAR): Implementation("pallas", Gate.SCALAR, token_major=True,
-                                            normalize_max_k=128, narrow_io=True,
-                                            build=_pallas_scalar_stages),
-    ("pallas", Gate.CHANNEL): Implementation("pallas", Gate.CHANNEL, token_major=False,
-                                             normalize_max_k=0, narrow_io=False,
-                                             build=_pallas_channel_stages),
-}
+IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
+    #              backend   gate          token_major normalize_max_k narrow_io build
+    Implementation("xla", Gate.SCALAR, False, 0, False, _xla_stages),
+    Implementation("xla", Gate.CHANNEL, False, 0, False, _xla_stages),
+    Implementation("pallas", Gate.SCALAR, True, 128, True, _pallas_scalar_stages),
+    Implementation("pallas", Gate.CHANNEL, False, 0, False, _pallas_channel_stages),
+)}
 
 
 def resolve_backend(backend: str | None) -> str:

@@ -11,6 +11,7 @@ no kernel depends on the order in which a caller appended optional operands.
 """
 from __future__ import annotations
 
+import collections
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -198,6 +199,14 @@ class Operands:
         """The arrays cast to one vma type (``vma.unify``) and the manual axis type their
         outputs take."""
         return unify(self.values)
+
+
+def refs_type(name: str, required: str, optional: str = "") -> type:
+    """The NamedTuple type of a kernel's refs: the operands every call has (space-separated
+    names), then those a call may leave out (None in the kernel when it does)."""
+    optional_names = optional.split()
+    return collections.namedtuple(name, required.split() + optional_names,
+                                  defaults=(None,) * len(optional_names))
 
 
 def named(structure: type, names: tuple[str, ...], refs) -> NamedTuple:

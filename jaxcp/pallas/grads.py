@@ -38,37 +38,21 @@ rounded), as in FLA's backward, and dw, dk1 are stored in bf16.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.common import (Operands, add_chunk_rows, call, chunk_specs, col_tiles,
-                                 dots as make_dots, gram, named, row_scale, rows_of_chunk,
-                                 scalar_gates, scale_gram, sum_dots, unit_rows)
+                                 dots as make_dots, gram, named, refs_type, row_scale,
+                                 rows_of_chunk, scalar_gates, scale_gram, sum_dots, unit_rows)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import Tile
 from jaxcp.xla.intra import ChunkTerms
 
 
-class _InterRefs(NamedTuple):
-    q: object
-    k: object
-    g: object
-    do: object
-    attn: object
-    h: object
-    v_new: object
-    x: object
-    dvn: object
-    dq: object
-    dk1: object
-    dw: object
-    dg1: object
-    token_start: object = None
-    token_count: object = None
+_InterRefs = refs_type("_InterRefs", "q k g do attn h v_new x dvn dq dk1 dw dg1",
+                        "token_start token_count")
 
 
 def _inter_kernel(*refs, names, scale, dots, normalize, blocks, C):
@@ -129,24 +113,8 @@ def _normalize_vjp(dx: Tile, x: Tile, r, dy_y, bk: int):
         dx.set_cols(i, bk, (dy - y * dy_y[:, None]) * r[:, None])
 
 
-class _WYRefs(NamedTuple):
-    k: object
-    v: object
-    g: object
-    beta: object
-    dk1: object
-    w: object
-    u: object
-    inv: object
-    dvn: object
-    dw: object
-    dg1: object
-    dk: object
-    dv: object
-    dg: object
-    dbeta: object
-    token_start: object = None
-    token_count: object = None
+_WYRefs = refs_type("_WYRefs", "k v g beta dk1 w u inv dvn dw dg1 dk dv dg dbeta",
+                     "token_start token_count")
 
 
 def _wy_kernel(*refs, names, dots, normalize, blocks, C):

@@ -32,15 +32,14 @@ registers).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.common import (Dots, Operands, ScalarGates, add_chunk_rows, call,
                                  chunk_specs, dots as make_dots, gram, named, on_tokens,
-                                 row_scale, rows_of_chunk, scalar_gates, scale_gram, times)
+                                 refs_type, row_scale, rows_of_chunk, scalar_gates, scale_gram,
+                                 times)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import Tile
 from jaxcp.xla.intra import ChunkTerms
@@ -75,21 +74,8 @@ def _inverse(k: Tile, beta, gates: ScalarGates, dots: Dots, bk: int, rk=None):
     return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
 
 
-class _IntraRefs(NamedTuple):
-    q: object
-    k: object
-    v: object
-    g: object
-    beta: object
-    w: object
-    u: object
-    attn: object
-    q_rows: object
-    k_rows: object
-    decay: object
-    inv: object = None
-    token_start: object = None
-    token_count: object = None
+_IntraRefs = refs_type("_IntraRefs", "q k v g beta w u attn q_rows k_rows decay",
+                        "inv token_start token_count")
 
 
 def _intra_kernel(*refs, names, scale, dots, normalize, blocks, C):
@@ -125,18 +111,8 @@ def _store_w_u(w_ref, u_ref, inv, k: Tile, v: Tile, beta, gates: ScalarGates, rk
     _store_products(Tile(u_ref), inv * beta[None, :], v, dots, blocks.cols(v.width))
 
 
-class _WURefs(NamedTuple):
-    k: object
-    v: object
-    g: object
-    beta: object
-    inv: object
-    w: object
-    u: object
-    k_rows: object
-    decay: object
-    token_start: object = None
-    token_count: object = None
+_WURefs = refs_type("_WURefs", "k v g beta inv w u k_rows decay",
+                     "token_start token_count")
 
 
 def _w_u_kernel(*refs, names, dots, normalize, blocks, C):

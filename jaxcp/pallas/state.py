@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.common import Operands, call, dot, named
+from jaxcp.pallas.common import Operands, call, dot, named, refs_type
 from jaxcp.pallas.config import StateBlocks
 from jaxcp.pallas.tokens import ChunkRows, has_table, slab_spec
 from jaxcp.vma import vary_like
@@ -218,29 +218,8 @@ def _per_seq_output(c: _Call, name: str, n_seqs: int, cols: int, like) -> None:
               vary_like(jnp.zeros((n_seqs, c.HV, c.K, cols), jnp.float32), like))
 
 
-class _FwdRefs(NamedTuple):
-    w: object
-    kd: object
-    decay: object
-    starts: object
-    seq: object
-    carry: object
-    last: object
-    token_start: object = None
-    token_count: object = None
-    k_rows: object = None
-    u: object = None
-    qg: object = None
-    attn: object = None
-    ends: object = None
-    q_rows: object = None
-    init: object = None
-    span: object = None
-    finals_zeros: object = None
-    h: object = None
-    v_new: object = None
-    o: object = None
-    finals: object = None
+_FwdRefs = refs_type("_FwdRefs", "w kd decay starts seq carry last",
+                      "token_start token_count k_rows u qg attn ends q_rows init span finals_zeros h v_new o finals")
 
 
 def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret):
@@ -390,28 +369,8 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
     return ext, m
 
 
-class _BwdRefs(NamedTuple):
-    w: object
-    kd: object
-    decay: object
-    starts: object
-    seq: object
-    qg: object
-    attn: object
-    do: object
-    ends: object
-    carry: object
-    d_entry: object
-    token_start: object = None
-    token_count: object = None
-    k_rows: object = None
-    q_rows: object = None
-    d_final: object = None
-    span: object = None
-    d_init_zeros: object = None
-    x: object = None
-    dvn: object = None
-    d_init: object = None
+_BwdRefs = refs_type("_BwdRefs", "w kd decay starts seq qg attn do ends carry d_entry",
+                      "token_start token_count k_rows q_rows d_final span d_init_zeros x dvn d_init")
 
 
 def _bwd_kernel(*refs, names, nt, gate, token_major, interpret):
