@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv with Python 3.12 (from PATH, or from pyenv) and install jaxcp with its test and
-# bench extras. Extra arguments are extras to add, e.g. `bash scripts/setup.sh cuda12`.
-# JAX_VERSION=0.11.2 pins jax and jaxlib (CI tests the version the GPU machines run).
+# Create a virtual environment with Python 3.12 (from PATH, or from pyenv) and install jaxcp with
+# its test and bench extras. Extra arguments are extras to add, e.g. `bash scripts/setup.sh cuda12`.
+# VENV=dir puts the environment there instead of .venv; JAX_VERSION=0.11.2 pins jax and jaxlib
+# (the newest version pyproject.toml allows is installed otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -17,11 +18,12 @@ find_python() {
   exit 1
 }
 PY=$(find_python)
-[ -x .venv/bin/python ] || $PY -m venv .venv
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
 extras="test,bench"
 for e in "$@"; do extras="$extras,$e"; done
-.venv/bin/python -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q --upgrade pip
 pins=()
 if [ -n "${JAX_VERSION:-}" ]; then pins=("jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"); fi
-.venv/bin/python -m pip install -q -e ".[$extras]" ${pins[@]+"${pins[@]}"}
-.venv/bin/python -c "import jax, jaxcp; print('jaxcp', jaxcp.__version__, 'jax', jax.__version__, jax.default_backend())"
+"$VENV/bin/python" -m pip install -q -e ".[$extras]" ${pins[@]+"${pins[@]}"}
+"$VENV/bin/python" -c "import jax, jaxcp; print('jaxcp', jaxcp.__version__, 'jax', jax.__version__, jax.default_backend())"
