@@ -1,21 +1,18 @@
 """Context-parallel GDN on W devices: no CP vs allgather / all_to_all / relay, and FLA's KCP
 and head all-to-all.
 
-    python scripts/bench_cp.py --json docs/benchmarks/cp.json          # on the multi-GPU machine
-    python scripts/bench_cp.py --report docs/benchmarks/cp.json        # table + plot (.md, .png)
+    python scripts/bench_cp.py --json docs/benchmarks/cp_w2.json       # on the multi-GPU machine
+    python scripts/bench_cp.py --report docs/benchmarks/cp_w2.json     # cp_w2.md, .png
 
 bf16, B = 1, q/k L2-normalised before the timed calls (jaxcp and FLA alike, as FLA's CP
 benchmark does; the norm is not part of the times); one sequence and a packed set of 10.
 fwd+bwd computes o and then the gradients for a cotangent of ones, as FLA's
-``o.backward(torch.ones_like(o))`` (``jax_timing.forward_backward``; records made before it
-took jax.grad of a loss linear in o, which let XLA drop jaxcp's output kernel).
+``o.backward(torch.ones_like(o))`` (``jaxcp.bench.timing.forward_backward``).
 "none" runs the whole sequence on one device; the CP strategies split it over all W.
 rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes
-under torchrun, so that JAX has the GPUs afterwards. Each time is per call, for calls queued back to back (GPU time):
-the median of --iters rounds of 4 calls, by CUDA events for FLA and
-``jax_timing.pipelined_ms`` for jaxcp. Records made before pipelined_ms timed one call at a
-time (events around it for FLA, the wall clock with a wait for jaxcp, which adds the
-dispatch and the wait, 0.13-0.2 ms per jitted call on these machines).
+under torchrun, so that JAX has the GPUs afterwards. Each time is per call, for calls queued
+back to back (GPU time): the median of --iters rounds of 4 calls, by CUDA events for FLA and
+``jaxcp.bench.timing.pipelined_ms`` for jaxcp.
 """
 from __future__ import annotations
 
@@ -26,8 +23,6 @@ import shutil
 import subprocess
 import sys
 
-from jax_timing import forward_backward, time_side_by_side
-from report_notes import notes_beside
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
 
@@ -62,7 +57,7 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
     dev = torch.device("cuda", rank)
 
     def timeit(fn, calls=4):
-        # CUDA events around `calls` queued calls, per call: as jax_timing.pipelined_ms
+        # CUDA events around `calls` queued calls, per call: as jaxcp.bench.timing.pipelined_ms
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -142,6 +137,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxcp
+    from jaxcp.bench.timing import forward_backward, time_side_by_side
     from jaxcp.l2norm import l2_normalize
 
     devices = jax.devices()[:W]
@@ -191,63 +187,10 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     return records
 
 
-def report(path: str) -> None:
-    """cp.md (table with rates, command) and cp.png beside the JSON."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = json.load(open(path))
-    base = os.path.splitext(path)[0]
-    W = max(r["W"] for r in records)
-    none = {(r["impl"], r["nseq"], r["pass"]): r["ms"] for r in records if r["strategy"] == "none"}
-    lines = ["# Context-parallel GDN benchmark", "",
-             f"Device: {W} x {records[0]['device']}; T = {records[0]['T']}, H = {records[0]['H']}, "
-             f"K = V = {records[0]['K']}, bf16, B = 1. rate = (t_none / W) / t.", "",
-             f"Command: `python scripts/bench_cp.py --json {path}` on the GPUs, "
-             f"then `--report {path}` (the notes below say which strategies ran).", "",
-             "overhead = t - t_none / W: what CP adds to this device's share of the work "
-             "(summary, collectives, merge).", "",
-             "| impl | strategy | sequences | pass | ms | rate | overhead ms |",
-             "|---|---|---|---|---|---|---|"]
-    for r in records:
-        t_none = none.get((r["impl"], r["nseq"], r["pass"]))
-        cp = r["strategy"] != "none" and t_none
-        rate = f"{t_none / W / r['ms']:.0%}" if cp else "-"
-        overhead = f"{r['ms'] - t_none / W:.2f}" if cp else "-"
-        lines.append(f"| {r['impl']} | {r['strategy']} | {r['nseq']} | {r['pass']} | "
-                     f"{r['ms']:.2f} | {rate} | {overhead} |")
-    lines += ["", "Target: allgather faster than FLA's KCP, and >= 1.3x faster than all_to_all.",
-              "", "| sequences | pass | allgather ms | FLA KCP ms | allgather / KCP (< 1: met) "
-              "| all_to_all / allgather (>= 1.3: met) |", "|---|---|---|---|---|---|"]
-    ms = {(r["strategy"], r["nseq"], r["pass"]): r["ms"] for r in records}
-    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
-    for nseq, passes in sorted({(r["nseq"], r["pass"]) for r in records}):
-        ag = ms.get(("allgather", nseq, passes))
-        kcp, a2a = ms.get(("fla-kcp", nseq, passes)), ms.get(("all_to_all", nseq, passes))
-        lines.append(f"| {nseq} | {passes} | {'-' if ag is None else f'{ag:.2f}'} | "
-                     f"{'-' if kcp is None else f'{kcp:.2f}'} | {ratio(ag, kcp)} | "
-                     f"{ratio(a2a, ag)} |")
-    lines += ["", f"![cp]({os.path.basename(base)}.png)", ""] + notes_beside(base)
-    open(base + ".md", "w").write("\n".join(lines))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
-        rows = [r for r in records if r["pass"] == passes]
-        labels = [f"{r['impl'].replace('jaxcp-', '')}\n{r['strategy']}\n{r['nseq']} seq" for r in rows]
-        ax.bar(range(len(rows)), [r["ms"] for r in rows])
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, fontsize=7, rotation=90)
-        ax.set_ylabel("ms (lower is better)")
-        ax.set_yscale("log")
-        ax.set_title(f"GDN {passes}, W = {W}")
-    fig.tight_layout()
-    fig.savefig(base + ".png", dpi=110)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json")
-    ap.add_argument("--report")
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--report", help="write .md and .png from these records and exit")
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--D", type=int, default=128)
@@ -268,7 +211,8 @@ def main(argv=None) -> int:
     if not set(names) <= set(LAYOUTS):
         ap.error("--layouts: comma list of " + ", ".join(LAYOUTS))
     if args.report:
-        report(args.report)
+        from jaxcp.bench import docs
+        docs.write(args.report)
         return 0
     if args.fla_worker:
         fla_worker(args.T, args.H, args.D, args.iters, names)

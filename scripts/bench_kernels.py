@@ -1,7 +1,7 @@
 """Time jaxcp (pallas, xla) and FLA side by side on one GPU: GDN, B = 1, bf16, L2-normalised q/k.
 
     python scripts/bench_kernels.py --json docs/benchmarks/kernels.json     # on the GPU machine
-    python scripts/bench_kernels.py --report docs/benchmarks/kernels.json   # table + plot (.md, .png)
+    python scripts/bench_kernels.py --report docs/benchmarks/kernels.json   # kernels.md, .png
 
 FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
 same GPU, before JAX takes the device; it is skipped (with a note) when it cannot be imported.
@@ -9,15 +9,10 @@ FLA is timed with q, k normalised by torch (F.normalize before the op) and by it
 fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
 A call is the jitted forward (returns o) or forward+backward (o, then the gradients of q, k,
-v, g, beta for a random output cotangent by jax.vjp: ``jax_timing.forward_backward``, as
-FLA's ``o.backward(do)``). Records made before forward_backward took jax.grad of a loss
-linear in o, under which XLA dropped the output kernel: they left out jaxcp's output.
-Records from f8bea4c to fc1af9b took value_and_grad of sum(o * do): they include a
-reduction over o (0.24 ms at T = 32768, H = 64, K = 128) that FLA's timing does not have.
-Both sides time the GPU's time per call, calls queued back to back: FLA by triton's
-do_bench (median), jaxcp by ``jax_timing.pipelined_ms`` (median of --iters rounds of 4
-queued calls). Records made before pipelined_ms waited for every jaxcp
-call, which adds the dispatch and the wait (0.13-0.2 ms per jitted call on these machines).
+v, g, beta for a random output cotangent by jax.vjp: ``jaxcp.bench.timing.forward_backward``,
+as FLA's ``o.backward(do)``). Both sides time the GPU's time per call, calls queued back to
+back: FLA by triton's do_bench (median), jaxcp by ``jaxcp.bench.timing.pipelined_ms`` (median
+of --iters rounds of 4 queued calls).
 """
 from __future__ import annotations
 
@@ -27,30 +22,7 @@ import os
 import subprocess
 import sys
 
-from jax_timing import forward_backward, time_side_by_side
-from report_notes import notes_beside
-
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
-CHUNK = 64
-# measured on the lent machines (device tool notes): memory GB/s, dense bf16 TFLOP/s
-PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
-
-
-def floor_ms(T: int, H: int, D: int, passes: str, device: str) -> float:
-    """Physical floor of GDN on this shape: max(bytes / bandwidth, FLOPs / tensor peak).
-
-    fwd bytes: q, k, v read, o written (bf16), g and beta (fp32/bf16): ~ (4 D + 6) T H bytes x 2.
-    fwd FLOPs per (chunk, head): 2 [C^2 (3K + 2V) + 3 C K V] (kk^T, w, u, qk^T; w S, k^T v;
-    q S, attn v). fwd+bwd: about 3x the FLOPs (recompute + 2x for the gradients) and 2.5x
-    the bytes (inputs, do, five gradients)."""
-    bw, peak = next((v for k, v in PEAKS.items() if k in device), PEAKS["H100"])
-    C = CHUNK
-    n_chunk_heads = T // C * H
-    flops = 2 * (C * C * (3 * D + 2 * D) + 3 * C * D * D) * n_chunk_heads
-    bytes_ = (4 * D * 2 + 2 * 4) * T * H
-    if passes == "fwd+bwd":
-        flops, bytes_ = 3 * flops, 2.5 * bytes_
-    return 1e3 * max(bytes_ / bw, flops / peak)
 
 
 def run_fla(configs, iters: int) -> list[dict]:
@@ -97,6 +69,7 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
     import jax
     import jax.numpy as jnp
     import jaxcp
+    from jaxcp.bench.timing import forward_backward, time_side_by_side
 
     device = jax.devices()[0].device_kind
     out = []
@@ -128,56 +101,6 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
     return out
 
 
-def report(path: str) -> None:
-    """kernels.md (table, floor, command) and kernels.png beside the JSON."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = json.load(open(path))
-    base = os.path.splitext(path)[0]
-    device = next((r["device"] for r in records if r["impl"] != "fla"), records[0]["device"])
-    keys = sorted({(r["T"], r["H"], r["K"]) for r in records}, key=lambda c: (c[0], -c[1]))
-    impls = [i for i in ("jaxcp-pallas", "jaxcp-xla", "fla") if any(r["impl"] == i for r in records)]
-    ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
-    lines = ["# GDN kernel benchmark", "",
-             f"Device: {device}; jax {next((r.get('jax') for r in records if r.get('jax')), '?')}; "
-             f"FLA {next((r.get('fla') for r in records if r.get('fla')), 'not run')}. "
-             "B = 1, bf16, q/k L2-normalised, median ms.", "",
-             "Command: `python scripts/bench_kernels.py --json docs/benchmarks/kernels.json` "
-             "(GPU), then `--report docs/benchmarks/kernels.json`.", "",
-             "| T | H | K=V | pass | " + " | ".join(impls) + " | pallas / FLA | floor |",
-             "|---|---|---|---|" + "---|" * len(impls) + "---|---|"]
-    for T, H, D in keys:
-        for passes in ("fwd", "fwd+bwd"):
-            vals = [ms.get((i, T, H, D, passes)) for i in impls]
-            p, f = ms.get(("jaxcp-pallas", T, H, D, passes)), ms.get(("fla", T, H, D, passes))
-            ratio = f"{p / f:.2f}x" if p and f else "-"
-            lines.append(f"| {T} | {H} | {D} | {passes} | "
-                         + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
-                         + f" | {ratio} | {floor_ms(T, H, D, passes, device):.2f} |")
-    lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
-              "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s; see `floor_ms` in the script.",
-              "", f"![kernels]({os.path.basename(base)}.png)", ""]
-    lines += notes_beside(base)
-    open(base + ".md", "w").write("\n".join(lines))
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
-        width = 0.8 / len(impls)
-        for n, impl in enumerate(impls):
-            vals = [ms.get((impl, T, H, D, passes), 0.0) for T, H, D in keys]
-            ax.bar([x + n * width for x in range(len(keys))], vals, width, label=impl)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
-        ax.set_xticklabels([f"T={T}\nH={H} D={D}" for T, H, D in keys])
-        ax.set_ylabel("ms (lower is better)")
-        ax.set_yscale("log")
-        ax.set_title(f"GDN {passes}, {device}")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(base + ".png", dpi=110)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the records here")
@@ -192,7 +115,8 @@ def main(argv=None) -> int:
     if args.compile_threads < 1:
         ap.error("--compile-threads must be positive")
     if args.report:
-        report(args.report)
+        from jaxcp.bench import docs
+        docs.write(args.report)
         return 0
     configs = CONFIGS if not args.configs else [
         tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]

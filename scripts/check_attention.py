@@ -17,8 +17,8 @@ import argparse
 
 import numpy as np
 
-from jax_timing import forward_backward, pipelined_ms
-from rel_error import rel_error
+from jaxcp.bench.timing import forward_backward, pipelined_ms
+from jaxcp.metrics import rel_error
 
 
 def main(argv=None) -> int:
@@ -36,15 +36,13 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    from jaxcp.models import cudnn_pieces
-    from jaxcp.models.attention_pieces import DensePieces
-    from jaxcp.models.blockwise import blockwise_attention
-    from jaxcp.models.prefix_attention import prefix_causal_attention
+    from jaxcp.attention import DensePieces, blockwise_attention, prefix_causal_attention
+    from jaxcp.attention import cudnn
 
-    if jax.default_backend() != "gpu" or not cudnn_pieces.available():
+    if jax.default_backend() != "gpu" or not cudnn.available():
         print("needs a GPU and jax's cuDNN attention rules")
         return 1
-    cudnn = cudnn_pieces.CudnnPieces()
+    cudnn_pieces = cudnn.CudnnPieces()
     rng = np.random.default_rng(0)
     N, D, W = args.heads, args.head_dim, args.W
 
@@ -66,7 +64,7 @@ def main(argv=None) -> int:
     for G in (N, max(1, N // 4)):
         q, k, v, wo = inputs(W * args.T, G)
         results = []
-        for pieces, dtype in ((cudnn, jnp.bfloat16), (DensePieces(), jnp.float32)):
+        for pieces, dtype in ((cudnn_pieces, jnp.bfloat16), (DensePieces(), jnp.float32)):
             f = by_devices(pieces, args.T, dtype)
             loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * wo)
             results.append((jax.jit(f)(q, k, v),
@@ -90,7 +88,7 @@ def main(argv=None) -> int:
                                                           implementation="cudnn"), (q, k, v)),
         f"last of {W} devices, cuDNN pieces":
             (lambda q, k, v: prefix_causal_attention(last(q), last(k), last(v), k, v,
-                                                     (W - 1) * T, cudnn), (q, k, v)),
+                                                     (W - 1) * T, cudnn_pieces), (q, k, v)),
         f"last of {W} devices, blockwise":
             (lambda q, k, v: blockwise_attention(last(q), k, v, pos[(W - 1) * T:],
                                                  zero[(W - 1) * T:], pos, zero), (q, k, v)),

@@ -15,9 +15,6 @@ import os
 import shutil
 import sys
 
-from jax_timing import median_ms
-from rel_error import rel_error
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -58,6 +55,8 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jaxcp
+    from jaxcp.bench.timing import median_ms
+    from jaxcp.metrics import rel_error
 
     W = args.devices or len(jax.devices())
     if W > len(jax.devices()):

@@ -11,18 +11,25 @@ where (I + A)^-1 is far from I). Limits: o < 5e-3, everything else < 1e-2 (bf16)
 With --repeat N the op runs N times per case and must give the same bits every time (a
 kernel that reads back what other threads wrote without a barrier would not; run with
 XLA_FLAGS=--xla_gpu_deterministic_ops=true so that XLA's own reductions are deterministic
-too); a case that does not shows NaN errors.
+too); a case that does not shows NaN errors. --json writes one record per case
+(``jaxcp.bench.checks``), from which scripts/render_docs.py renders docs/benchmarks/gpu_checks.md.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import numpy as np
 
-from rel_error import rel_error
+from jaxcp.bench.checks import NAMES, limits, within_limits
+from jaxcp.metrics import rel_error
 
-NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+def heads(H: int, D: int) -> int:
+    """The heads of a case: H, a quarter of it above D = 128 (the reference keeps T states)."""
+    return H if D <= 128 else max(1, H // 4)
 
 
 def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
@@ -37,7 +44,7 @@ def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
     ref = jaxcp.gated_delta_rule_reference if kind == "gdn" else jaxcp.kda_reference
     rng = np.random.default_rng(T + D)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    H = H if D <= 128 else max(1, H // 4)   # the reference keeps T states
+    H = heads(H, D)
     B = 1 if layout == "varlen" else 2
     q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D)
     g = jax.nn.log_sigmoid(r(B, T, H) if kind == "gdn" else r(B, T, H, D) + 2.0)
@@ -83,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", default="random,correlated")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of the op per case, which must agree bit for bit")
+    ap.add_argument("--json", help="write one record per case here")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be positive")
@@ -96,28 +104,39 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     dtype = jnp.dtype(args.dtype)
-    lim_o, lim = (5e-3, 1e-2) if args.dtype == "bfloat16" else (1e-4, 1e-4)
-    rows, ok = [], True
+    device = jax.devices()[0].device_kind
+    records = []
     for kind in args.ops.split(","):
         for lay, keys in ((lay, keys) for lay in layouts for keys in key_kinds):
             for T in args.T:
                 for D in args.D:
                     errs = check(kind, args.backend, lay, T, D, args.H, dtype, keys,
                                  args.repeat)
-                    good = errs[0] < lim_o and all(e < lim for e in errs[1:])
-                    ok &= good
-                    rows.append((kind, lay, keys, T, D, errs, good))
+                    r = dict(op=kind, layout=lay, keys=keys, dtype=args.dtype,
+                             backend=args.backend, T=T, D=D, H=heads(args.H, D),
+                             repeat=args.repeat, errors=dict(zip(NAMES, errs)),
+                             device=device, jax=jax.__version__)
+                    records.append(r)
                     print(f"{kind} {lay} {keys} T={T} D={D}: " + " ".join(
                         f"{n}={e:.1e}" for n, e in zip(NAMES, errs))
-                        + (" ok" if good else " FAIL"), flush=True)
+                        + (" ok" if within_limits(r["errors"], args.dtype) else " FAIL"),
+                        flush=True)
 
-    print(f"backend={args.backend} dtype={args.dtype} H={args.H} device={jax.devices()[0].device_kind}"
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    print(f"backend={args.backend} dtype={args.dtype} H={args.H} device={device}"
           f" jax={jax.__version__}")
     print(f"{'op':4} {'layout':6} {'keys':10} {'T':>6} {'D':>4} "
           + " ".join(f"{n:>8}" for n in NAMES) + "  result")
-    for kind, lay, keys, T, D, errs, good in rows:
-        print(f"{kind:4} {lay:6} {keys:10} {T:>6} {D:>4} " + " ".join(f"{e:8.1e}" for e in errs)
-              + ("  ok" if good else "  FAIL"))
+    ok = True
+    for r in records:
+        good = within_limits(r["errors"], args.dtype)
+        ok &= good
+        print(f"{r['op']:4} {r['layout']:6} {r['keys']:10} {r['T']:>6} {r['D']:>4} "
+              + " ".join(f"{r['errors'][n]:8.1e}" for n in NAMES) + ("  ok" if good else "  FAIL"))
+    lim_o, lim = limits(args.dtype)
     print(f"limits: o < {lim_o:.0e}, others < {lim:.0e}: {'all ok' if ok else 'FAILURES'}")
     return 0 if ok else 1
 

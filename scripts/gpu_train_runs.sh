@@ -10,9 +10,9 @@
 #   dpN     --mesh data=N,seq=1 --batch N   one sequence per GPU (data parallel, no CP)
 #
 # Each run writes into OUT_DIR/<name>/ (stdout.log, train.log with stderr); a failed run (out
-# of memory, say) does not stop the others. Then scripts/report_train.py tabulates every run
-# directory in OUT_DIR into $REPORT (default docs/benchmarks/train.md). The exit status is 1 if
-# a run failed. Environment:
+# of memory, say) does not stop the others. Then scripts/report_train.py writes a record of
+# every run directory in OUT_DIR into $REPORT (default docs/benchmarks/train.json) and renders
+# its table beside it (train.md). The exit status is 1 if a run failed. Environment:
 #   RUNS="cp4 single dp4"   the runs to do, in order
 #   BACKEND=pallas          --backend for the GDN layers (default: the library's)
 #   EXTRA="..."             train.py flags appended to each run (the last of a flag wins), e.g.
@@ -24,7 +24,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash scripts/gpu_train_runs.sh OUT_DIR}
 py=${PYTHON:-.venv/bin/python}
-report=${REPORT:-docs/benchmarks/train.md}
+report=${REPORT:-docs/benchmarks/train.json}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 # MQAR with 2048 pairs (keys in the first 4096 tokens, queries from token 32768): 2048
@@ -64,5 +64,5 @@ for name in ${RUNS:-cp4 single dp4}; do
   fi
 done
 
-"$py" scripts/report_train.py "$out"/*/ --out "$report" || failed=1
+"$py" scripts/report_train.py "$out"/*/ --json "$report" || failed=1
 exit $failed

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
-from jax_timing import forward_backward, median_ms
-
 import numpy as np
 
 
@@ -49,6 +47,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import jaxcp
+    from jaxcp.bench.timing import forward_backward, median_ms
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks

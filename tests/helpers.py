@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxcp
+from jaxcp.metrics import rel_error as rel_err
 
 OPS = {"gdn": (jaxcp.chunk_gated_delta_rule, jaxcp.gated_delta_rule_reference),
        "kda": (jaxcp.chunk_kda, jaxcp.kda_reference)}
@@ -29,17 +30,6 @@ def make_inputs(kind: str, B: int, T: int, H: int, HV: int, K: int, V: int, *, d
     beta = jax.nn.sigmoid(r(B, T, HV))
     h0 = None if n_states is None else r(n_states, HV, K, V)
     return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
-
-
-def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64 (||out|| if ref is zero); NaN anywhere gives inf."""
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    scale = np.linalg.norm(ref)
-    return float(np.linalg.norm(out - ref) / (scale if scale > 0 else 1.0))
 
 
 def assert_rel(out, ref, tol: float, what: str = "") -> None:

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxcp.models.blockwise import blockwise_attention
+from jaxcp.attention.blockwise import blockwise_attention
 from helpers import assert_rel
 
 

@@ -98,9 +98,9 @@ def test_causal_self_attention_cp(cu):
 def test_fused_attention_path(monkeypatch):
     """One unpacked sequence without CP goes through jax.nn.dot_product_attention (cuDNN on a
     GPU; its XLA form here) and equals the blockwise softmax, gradients included."""
-    from jaxcp.models import attention
+    from jaxcp.attention import select
     if jax.default_backend() == "cpu":
-        assert attention.fused_attention_impl(jnp.zeros((1, 4, 2, 16), jnp.bfloat16)) is None
+        assert select.fused_attention_impl(jnp.zeros((1, 4, 2, 16), jnp.bfloat16)) is None
     attn = CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, block_size=5, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 12, HIDDEN)), jnp.float32)
     cu = jnp.asarray([0, 5, 12], jnp.int32)
@@ -108,7 +108,7 @@ def test_fused_attention_path(monkeypatch):
     want, want_grad, want_packed = attn(x), jax.grad(loss)(x), attn(x[:1], cu)
     calls = []
     dpa = jax.nn.dot_product_attention
-    monkeypatch.setattr(attention, "fused_attention_impl", lambda q: "xla")
+    monkeypatch.setattr(select, "fused_attention_impl", lambda q: "xla")
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, **kw: calls.append(kw) or dpa(*a, **kw))
     got, got_grad = attn(x), jax.grad(loss)(x)
@@ -123,10 +123,10 @@ def test_fused_attention_path(monkeypatch):
 def test_lm_computes_in_its_parameters_dtype(monkeypatch):
     """With its parameters cast to bf16 (the train step's --dtype bfloat16) the LM computes in
     bf16: the attention sees bf16 queries (nnx.Embed alone would return float32)."""
-    from jaxcp.models import attention
+    from jaxcp.attention import select
     from jaxcp.train.step import _compute_params
     seen = []
-    monkeypatch.setattr(attention, "fused_attention_impl", lambda q: seen.append(q.dtype))
+    monkeypatch.setattr(select, "fused_attention_impl", lambda q: seen.append(q.dtype))
     graph, params = nnx.split(LM(64, HIDDEN, "attn", 2, 16, rngs=nnx.Rngs(0)))
     model = nnx.merge(graph, _compute_params(params, jnp.bfloat16))
     logits = model(jnp.zeros((1, 8), jnp.int32))

@@ -8,11 +8,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxcp.attention import cudnn, select
+from jaxcp.attention.blockwise import blockwise_attention
+from jaxcp.attention.pieces import DensePieces
+from jaxcp.attention.prefix import prefix_causal_attention
 from jaxcp.models import CausalSelfAttention
-from jaxcp.models import attention, cudnn_pieces
-from jaxcp.models.attention_pieces import DensePieces
-from jaxcp.models.blockwise import blockwise_attention
-from jaxcp.models.prefix_attention import prefix_causal_attention
+from jaxcp.models import attention
 from helpers import assert_rel
 from test_models import HIDDEN, compare_cp, mesh_of
 
@@ -70,7 +71,7 @@ def test_layer_cp_takes_the_pieces(monkeypatch):
     two pieces, and equals the layer without CP; packed sequences keep the blockwise path."""
     calls = []
     merged = attention.gathered_causal_attention
-    monkeypatch.setattr(attention, "fused_attention_impl", lambda q: "xla")
+    monkeypatch.setattr(select, "fused_attention_impl", lambda q: "xla")
     monkeypatch.setattr(attention, "gathered_causal_attention",
                         lambda *a, **kw: calls.append(1) or merged(*a, **kw))
     make = lambda ax: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, cp_axis=ax, block_size=5,
@@ -87,7 +88,55 @@ def test_layer_cp_takes_the_pieces(monkeypatch):
 
 
 def test_cudnn_rules_are_there():
-    """The cuDNN attention rules that CudnnPieces calls exist in this jax with the expected
-    signatures (on a jax where they changed, CP attention falls back to blockwise)."""
-    assert cudnn_pieces.available()
-    assert isinstance(attention.cp_pieces("cudnn"), cudnn_pieces.CudnnPieces)
+    """This jax has the cuDNN attention rules in one of the forms CudnnPieces calls (CI runs
+    the suite on jax 0.11 and 0.12, one form each)."""
+    assert cudnn.rules() in cudnn.FORMS
+    assert isinstance(select.cp_pieces("cudnn"), cudnn.CudnnPieces)
+
+
+@pytest.mark.parametrize("form", cudnn.FORMS, ids=lambda f: f.name)
+def test_cudnn_pieces_bind_each_rule_form(monkeypatch, form):
+    """CudnnPieces passes each argument of the rules to the parameter of that name, in both
+    known forms (the rules themselves need a GPU: here stand-ins with their parameters)."""
+    fwd_calls, bwd_calls = [], []
+
+    def fwd(*args):
+        assert len(args) == len(form.fwd_args())
+        fwd_calls.append(dict(zip(form.fwd_args(), args)))
+        return (args[0], "lse"), None
+
+    def bwd(*args):
+        assert len(args) == len(form.bwd_args())
+        bwd_calls.append(dict(zip(form.bwd_args(), args)))
+        return "dq", "dk", "dv", None
+
+    monkeypatch.setattr(cudnn._fa, "_dot_product_attention_fwd_rule", fwd)
+    monkeypatch.setattr(cudnn._fa, "_dot_product_attention_bwd_rule", bwd)
+    monkeypatch.setattr(cudnn._fa, "check_cudnn_version", lambda: "cudnn-version")
+    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    pieces = cudnn.CudnnPieces(form)
+    o, lse = pieces.forward(q, q, q, None, 0.5)
+    assert o is q and lse == "lse"
+    assert pieces.backward(q, q, q, None, 0.5, q, "lse", q)[0] == "dq"
+    (f,), (b,) = fwd_calls, bwd_calls
+    assert f["scale"] == b["scale"] == 0.5 and f["mask_type"] == cudnn._fa.MaskType.CAUSAL
+    assert f["cudnn_version"] == "cudnn-version" and f["return_residual"] is True
+    assert b["return_residual"] is False and b["grad_output"].shape == q.shape
+    if form.score_mod:
+        assert f["score_mod_args"] == () and f["score_mod"] is None and b["score_mod"] is None
+    # the residuals as the real forward rule returns them: its operands, then lse and o
+    residuals = (*(f[name] for name in cudnn._OPERANDS), *form.extra_operands(), "lse", q)
+    assert len(b["res"]) == len(residuals) and b["res"][-2] == "lse"
+    assert all(a is q for a in b["res"][:3])
+    assert b["res"][len(cudnn._OPERANDS):-2] == form.extra_operands()
+
+
+def test_cp_attention_warns_once_without_cudnn_rules(monkeypatch):
+    """A jax whose cuDNN rules are unknown: CP attention keeps the blockwise softmax and says
+    so once."""
+    monkeypatch.setattr(cudnn, "rules", lambda: None)
+    select._warn_no_cudnn_rules.cache_clear()
+    with pytest.warns(RuntimeWarning, match="blockwise softmax") as record:
+        assert select.cp_pieces("cudnn") is None
+        assert select.cp_pieces("cudnn") is None
+    assert len(record) == 1

@@ -6,36 +6,26 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxcp.attention import select
+from jaxcp.attention.blockwise import blockwise_attention
+from jaxcp.attention.prefix import gathered_causal_attention
+from jaxcp.attention.rope import rope
 from jaxcp.layout import sequence_of
-from jaxcp.models import cudnn_pieces
-from jaxcp.models.attention_pieces import AttentionPieces, DensePieces
-from jaxcp.models.blockwise import blockwise_attention
 from jaxcp.models.enter import call_with_cp
-from jaxcp.models.prefix_attention import gathered_causal_attention
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding of x [B, T, N, D] at integer positions [T] (rotate-half form)."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, None] * freq[None, :]          # [T, D/2]
-    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
 class CausalSelfAttention(nnx.Module):
     """softmax(q k^T / sqrt(D) + causal/segment mask) v, q/k rotated by RoPE at each token's
     position inside its own sequence; num_kv_heads < num_heads shares K/V heads (GQA).
-    The softmax runs blockwise (``blockwise_attention``, query chunks and key blocks of
+    The softmax runs blockwise (``jaxcp.attention.blockwise``, query chunks and key blocks of
     block_size tokens), so memory grows linearly in T; one unpacked sequence on a GPU (bf16 /
-    fp16) takes cuDNN's fused kernels instead (``fused_attention_impl``).
+    fp16) takes cuDNN's fused kernels instead (``jaxcp.attention.select``).
 
     With cp_axis (inside shard_map, x is this device's slice of the sequence; outside one, the
     layer enters shard_map over the current mesh) K and V are all-gathered over the axis and the
     mask uses global positions, so each device attends from its queries to every earlier key of
     the same sequence: for one unpacked sequence on a GPU as two cuDNN pieces merged by their
-    log-sum-exp (``prefix_attention``), else blockwise. cu_seqlens: global offsets (B == 1).
+    log-sum-exp (``jaxcp.attention.prefix``), else blockwise. cu_seqlens: global offsets (B == 1).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
@@ -74,8 +64,8 @@ class CausalSelfAttention(nnx.Module):
         k = rope(self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim), pos - offset,
                  self.rope_theta)
         v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        fused = fused_attention_impl(q) if cu_seqlens is None else None
-        pieces = None if fused is None or self.cp_axis is None else cp_pieces(fused)
+        fused = select.fused_attention_impl(q) if cu_seqlens is None else None
+        pieces = None if fused is None or self.cp_axis is None else select.cp_pieces(fused)
         if fused is not None and self.cp_axis is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
         elif pieces is not None:
@@ -88,26 +78,3 @@ class CausalSelfAttention(nnx.Module):
             o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
                                     block_k=self.block_size)
         return self.o_proj(o.reshape(B, T, -1))
-
-
-def fused_attention_impl(q: jax.Array) -> str | None:
-    """"cudnn" (cuDNN's fused flash kernels) on an NVIDIA GPU of compute capability >= 8.0
-    for bf16 / fp16 and head_dim a multiple of 8 up to 128, else None: blockwise_attention,
-    which also serves packed sequences (segment masks), which the fused kernel does not take
-    without a [T, T] mask."""
-    D = q.shape[-1]
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or D > 128 or D % 8:
-        return None
-    device = jax.devices()[0]
-    if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
-        return None
-    return "cudnn" if float(getattr(device, "compute_capability", 0)) >= 8.0 else None
-
-
-def cp_pieces(impl: str) -> AttentionPieces | None:
-    """The attention pieces that CP runs on for a ``fused_attention_impl`` result: cuDNN's
-    ("cudnn", when ``cudnn_pieces.available()``), or the dense reference for "xla" (the fused
-    path's XLA form, which tests select); None: keep the blockwise softmax."""
-    if impl == "cudnn":
-        return cudnn_pieces.CudnnPieces() if cudnn_pieces.available() else None
-    return DensePieces()

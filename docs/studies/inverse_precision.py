@@ -1,13 +1,13 @@
 """Error of the kernels' inverse (I + A)^-1 under TF32 products, emulated on the CPU.
 
-    python scripts/inverse_precision.py --chunks 200
+    python docs/studies/inverse_precision.py --chunks 200
 
 For GDN chunks (C = 64, K = 128, L2-normalised k, beta = sigmoid, g = logsigmoid of normals)
 it builds w = (I + A)^-1 X in two ways, every product rounded as the tensor cores would:
 
     block merge    the kernels' function (jaxcp.pallas.intra._unit_lower_inverse):
                    T_2s = T_s - T_s N_s T_s over diagonal blocks of size s = 1, 2, ..., C/2
-    power series   (I - A)(I + A^2)...(I + A^(C/2)), the form the kernels used before; for
+    power series   (I - A)(I + A^2)...(I + A^(C/2)), the alternative the kernels avoid: for
                    correlated keys the powers of A grow like binomial coefficients
 
     tf32x1   both operands rounded to TF32 (10-bit mantissa), fp32 accumulation
@@ -16,7 +16,7 @@ it builds w = (I + A)^-1 X in two ways, every product rounded as the tensor core
 and compares with a float64 solve; the bf16 rounding of w (how the kernels store it for bf16
 inputs) is the yardstick. Keys are independent ("random") or share one direction
 ("correlated", as the tokens of a trained model's repeated or padding positions do: this is
-where the power series failed, with relative errors above 1 and NaN in training). Prints
+where the power series fails, with relative errors above 1). Prints
 median and max relative error over the chunks.
 """
 from __future__ import annotations

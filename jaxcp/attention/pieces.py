@@ -20,7 +20,7 @@ which summed over the pieces are the whole attention's gradients. Keys a piece d
 get zero dk, dv.
 
 ``DensePieces`` is the reference (jnp, [T, S] logits in memory: tests and small shapes);
-``jaxcp.models.cudnn_pieces`` runs the same contract on cuDNN's fused flash kernels.
+``jaxcp.attention.cudnn`` runs the same contract on cuDNN's fused flash kernels.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Error of the CP transition M's chain under the kernels' products, emulated on the CPU.
 
-    python scripts/m_chain_precision.py --chunks 16 --trials 20
+    python docs/studies/m_chain_precision.py --chunks 16 --trials 20
 
 A device's summary carries M = prod_c (decay_c I - kd_c^T w_c) over its chunks (``cp_summary``,
 M [K, K] from the identity). For random GDN chunks (C = 64, K = 128, L2-normalised k, beta =
@@ -8,9 +8,10 @@ sigmoid, mild gates g = 0.01 logsigmoid(normal)), with w and kd rounded to bf16 
 store them, it runs M <- decay M - kd^T (w M) with every product as
 
     ieee     float32 products (numpy)
-    tf32x3   3xTF32 products (``inverse_precision.dot_tf32x3``), what the kernels ran before
+    tf32x3   3xTF32 products (``inverse_precision.dot_tf32x3``), the kernels' fp32-input path
     bf16x2   the fp32 operand (M, then w M) split into two bf16 parts hi + lo, each
-             multiplied by the bf16 tile exactly (``state._dot(split=True)``), what they run now
+             multiplied by the bf16 tile exactly (``jaxcp.pallas.common.dot(split=True)``),
+             the kernels' bf16-input path
 
 and compares with the same chain in float64. Prints the median and max relative error of M
 over the trials, and |M| / |I|. Each chunk projects out most of its keys' directions, so M

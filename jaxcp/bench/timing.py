@@ -1,4 +1,4 @@
-"""Wall-clock timing of jitted JAX calls for the scripts: warm up, then the median."""
+"""Wall-clock timing of jitted JAX calls for the benchmarks and checks: warm up, then the median."""
 from __future__ import annotations
 
 import time

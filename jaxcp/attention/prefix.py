@@ -9,7 +9,7 @@ Device r holds tokens [r T, (r + 1) T). Its queries see
 
     lse = logaddexp(lse_A, lse_B),   o = e^(lse_A - lse) o_A + e^(lse_B - lse) o_B
 
-The backward runs each piece's flash backward with the merged o and lse (``attention_pieces``)
+The backward runs each piece's flash backward with the merged o and lse (``jaxcp.attention.pieces``)
 and adds the pieces' dq; the all-gather's transpose returns the prefix piece's dk, dv to the
 devices that own those keys. Device r does T^2 / 2 + r T^2 of the W^2 T^2 / 2 query-key
 products of the whole sequence (the last device most), with no [T, W T] array.
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcp.models.attention_pieces import AttentionPieces
+from jaxcp.attention.pieces import AttentionPieces
 from jaxcp.vma import match_cotangent
 
 

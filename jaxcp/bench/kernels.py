@@ -1,0 +1,61 @@
+"""The GDN kernel benchmark (scripts/bench_kernels.py records) as a markdown table."""
+from __future__ import annotations
+
+CHUNK = 64
+# measured on the lent machines: memory bytes/s, dense bf16 FLOP/s
+PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
+IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla")
+
+
+def floor_ms(T: int, H: int, D: int, passes: str, device: str) -> float:
+    """Physical floor of GDN on this shape: max(bytes / bandwidth, FLOPs / tensor peak).
+
+    fwd bytes: q, k, v read, o written (bf16), g and beta (fp32/bf16): ~ (4 D + 6) T H bytes x 2.
+    fwd FLOPs per (chunk, head): 2 [C^2 (3K + 2V) + 3 C K V] (kk^T, w, u, qk^T; w S, k^T v;
+    q S, attn v). fwd+bwd: about 3x the FLOPs (recompute + 2x for the gradients) and 2.5x
+    the bytes (inputs, do, five gradients)."""
+    bw, peak = next((v for k, v in PEAKS.items() if k in device), PEAKS["H100"])
+    C = CHUNK
+    n_chunk_heads = T // C * H
+    flops = 2 * (C * C * (3 * D + 2 * D) + 3 * C * D * D) * n_chunk_heads
+    bytes_ = (4 * D * 2 + 2 * 4) * T * H
+    if passes == "fwd+bwd":
+        flops, bytes_ = 3 * flops, 2.5 * bytes_
+    return 1e3 * max(bytes_ / bw, flops / peak)
+
+
+def shapes(records: list[dict]) -> list[tuple[int, int, int]]:
+    """The (T, H, K) of the records, by T, then the most heads first."""
+    return sorted({(r["T"], r["H"], r["K"]) for r in records}, key=lambda c: (c[0], -c[1]))
+
+
+def impls(records: list[dict]) -> list[str]:
+    """The implementations the records hold, in IMPLS order."""
+    return [i for i in IMPLS if any(r["impl"] == i for r in records)]
+
+
+def markdown(records: list[dict]) -> str:
+    """Title, setting, one row per shape and pass (ms per implementation, pallas / FLA and
+    the floor), and how the floor is counted."""
+    device = next((r["device"] for r in records if r["impl"] != "fla"), records[0]["device"])
+    jax = next((r["jax"] for r in records if r.get("jax")), "?")
+    fla = next((r["fla"] for r in records if r.get("fla")), "not run")
+    names = impls(records)
+    ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
+    lines = ["# GDN kernel benchmark", "",
+             f"Device: {device}; jax {jax}; FLA {fla}. B = 1, bf16, q/k L2-normalised, "
+             "median ms per call.", "",
+             "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |",
+             "|---|---|---|---|" + "---|" * len(names) + "---|---|"]
+    for T, H, D in shapes(records):
+        for passes in ("fwd", "fwd+bwd"):
+            vals = [ms.get((i, T, H, D, passes)) for i in names]
+            p, f = ms.get(("jaxcp-pallas", T, H, D, passes)), ms.get(("fla", T, H, D, passes))
+            ratio = f"{p / f:.2f}x" if p and f else "-"
+            lines.append(f"| {T} | {H} | {D} | {passes} | "
+                         + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
+                         + f" | {ratio} | {floor_ms(T, H, D, passes, device):.2f} |")
+    lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
+              "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s (`jaxcp.bench.kernels."
+              "floor_ms`)."]
+    return "\n".join(lines) + "\n"
