@@ -10,7 +10,7 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 |----------|---------|-------------------------------------|-------------------|-------------|
 | "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no          |
 | "pallas" | SCALAR  | Pallas (``pallas.intra``, ``grads``) | Pallas (``pallas.state``) | yes  |
-| "pallas" | CHANNEL | jnp (no Pallas kernel yet: falls through to ``jaxcp.xla``) | Pallas | no |
+| "pallas" | CHANNEL | Pallas (``pallas.intra_channel``); cotangents jnp | Pallas | no |
 
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant is
@@ -133,10 +133,20 @@ def _pallas_scalar_stages(o: StageOptions) -> Stages:
 
 
 def _pallas_channel_stages(o: StageOptions) -> Stages:
-    """KDA: Pallas state recurrences; the intra-chunk terms and their cotangents fall
-    through to the jnp stages (chunk layout)."""
-    jnp_stages = _xla_stages(o)
-    return jnp_stages._replace(**_pallas_state_stages(o, token_major=False))
+    """KDA: the intra-chunk terms and the state recurrences as Pallas kernels, in the chunk
+    layout; the input cotangents fall through to the jnp stage (``xla.chunk_grads``, which
+    recomputes the terms it differentiates, so the forward keeps nothing for it)."""
+    from jaxcp.pallas import intra_channel
+
+    def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
+        return intra_channel.intra_chunk(q, k, v, g, beta, scale, interpret=o.interpret,
+                                         precise=o.dot_dtype == "float32")
+
+    def intra_again(q, k, v, g, beta, scale, layout, kept):
+        return intra(q, k, v, g, beta, scale, layout)
+
+    return _xla_stages(o)._replace(intra=intra, intra_again=intra_again,
+                                   **_pallas_state_stages(o, token_major=False))
 
 
 # In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at

@@ -1,6 +1,8 @@
-"""Time jaxcp (pallas, xla) and FLA side by side on one GPU: GDN, B = 1, bf16, L2-normalised q/k.
+"""Time jaxcp (pallas, xla) and FLA side by side on one GPU: GDN or KDA, B = 1, bf16,
+L2-normalised q/k.
 
     python scripts/bench_kernels.py --json docs/benchmarks/kernels.json     # on the GPU machine
+    python scripts/bench_kernels.py --op kda --json docs/benchmarks/kernels_kda.json
     python scripts/bench_kernels.py --report docs/benchmarks/kernels.json   # kernels.md, .png
 
 FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
@@ -25,14 +27,17 @@ import sys
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
 
 
-def run_fla(configs, iters: int) -> list[dict]:
+def run_fla(op: str, configs, iters: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
     import triton
     import fla
     import fla.ops.common.chunk_o as chunk_o
     chunk_o.TRITON_ABOVE_3_7_1 = True   # timing only: FLA's guard for the gated dqkwg kernel
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    if op == "kda":
+        from fla.ops.kda import chunk_kda as fla_op
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
     out = []
     for T, H, D in configs:
@@ -40,14 +45,13 @@ def run_fla(configs, iters: int) -> list[dict]:
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
         beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-        g = F.logsigmoid(torch.randn(1, T, H, device="cuda")).requires_grad_(True)
+        gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
+        g = F.logsigmoid(torch.randn(*gate_shape, device="cuda")).requires_grad_(True)
         # two ways to normalise q, k: torch before the op or FLA's fused
         # kernel; FLA is credited with the faster of the two
-        fwds = {"torch": lambda: chunk_gated_delta_rule(F.normalize(q, p=2, dim=-1),
-                                                        F.normalize(k, p=2, dim=-1), v, g,
-                                                        beta)[0],
-                "in-kernel": lambda: chunk_gated_delta_rule(q, k, v, g, beta,
-                                                            use_qk_l2norm_in_kernel=True)[0]}
+        fwds = {"torch": lambda: fla_op(F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1),
+                                        v, g, beta)[0],
+                "in-kernel": lambda: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]}
         do = torch.randn_like(fwds["torch"]())
         bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
                                                    return_mode="median")
@@ -55,7 +59,7 @@ def run_fla(configs, iters: int) -> list[dict]:
             times = {how: bench(fwd if passes == "fwd" else lambda fwd=fwd: fwd().backward(do))
                      for how, fwd in fwds.items()}
             how = min(times, key=times.get)
-            out.append(dict(op="gdn", impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
+            out.append(dict(op=op, impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=times[how], fla_l2norm=how, device=torch.cuda.get_device_name(),
                             fla=getattr(fla, "__version__", "?")))
             print(f"fla T={T} H={H} D={D} {passes}: " + ", ".join(
@@ -63,7 +67,7 @@ def run_fla(configs, iters: int) -> list[dict]:
     return out
 
 
-def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
+def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda: None,
               compile_threads: int = 8) -> list[dict]:
     import numpy as np
     import jax
@@ -77,13 +81,15 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
         rng = np.random.default_rng(0)
         r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
         q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
-        g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32))
+        gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
+        g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal(gate_shape), jnp.float32))
+        jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
         beta = jax.nn.sigmoid(r(1, T, H))
         do = r(1, T, H, D)
         jobs = []     # (impl, pass, jitted function)
         for impl in impls:
             backend = impl.removeprefix("jaxcp-")
-            call = lambda q, k, v, g, beta, backend=backend: jaxcp.chunk_gated_delta_rule(
+            call = lambda q, k, v, g, beta, backend=backend: jaxcp_op(
                 q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)[0]
             jobs += [(impl, "fwd", jax.jit(call)),
                      (impl, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
@@ -94,7 +100,7 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
                 print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(ms).__name__}: "
                       f"{str(ms)[:300]}", flush=True)
                 continue
-            out.append(dict(op="gdn", impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
+            out.append(dict(op=op, impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=ms, device=device, jax=jax.__version__, fla=fla_version))
             print(f"{impl} T={T} H={H} D={D} {passes}: {ms:.3f} ms", flush=True)
             done(out)
@@ -103,6 +109,7 @@ def run_jaxcp(configs, impls, iters: int, fla_version: str, done=lambda: None,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--op", choices=("gdn", "kda"), default="gdn")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
     ap.add_argument("--impls", default="jaxcp-pallas,jaxcp-xla,fla")
@@ -122,13 +129,14 @@ def main(argv=None) -> int:
         tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     impls = args.impls.split(",")
     if args.fla_child:
-        json.dump(run_fla(configs, args.iters), sys.stdout)
+        json.dump(run_fla(args.op, configs, args.iters), sys.stdout)
         return 0
     records = []
     fla_version = "not run"
     if "fla" in impls:
         # a child process, so that FLA (torch) has the GPU to itself before JAX starts
-        child = subprocess.run([sys.executable, __file__, "--fla-child", "--iters", str(args.iters),
+        child = subprocess.run([sys.executable, __file__, "--fla-child", "--op", args.op,
+                                "--iters", str(args.iters),
                                 "--configs", ",".join(":".join(map(str, c)) for c in configs)],
                                stdout=subprocess.PIPE, text=True)
         if child.returncode == 0:
@@ -145,8 +153,8 @@ def main(argv=None) -> int:
             json.dump(records + list(jaxcp_records), open(args.json, "w"), indent=1)
 
     save()
-    records += run_jaxcp(configs, [i for i in impls if i != "fla"], args.iters, fla_version, save,
-                         args.compile_threads)
+    records += run_jaxcp(args.op, configs, [i for i in impls if i != "fla"], args.iters,
+                         fla_version, save, args.compile_threads)
     save()
     print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
     for r in records:

@@ -23,8 +23,9 @@ def mesh_of(W):
 
 
 def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=None,
-            tol_single=None):
-    """CP against the single-device op (to tol_single, default tol) and the reference."""
+            tol_single=None, single_device=True):
+    """CP against the reference and (single_device) the single-device op, to tol_single
+    (default tol)."""
     tol_single = tol if tol_single is None else tol_single
     op, ref = OPS[kind]
     B, T, HV, V = args[2].shape
@@ -33,22 +34,27 @@ def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=No
     cp = cp_call(op, mesh_of(W), "seq", cp_strategy=strategy, check_vma=check_vma,
                  backend=backend, **kw)
     (o_cp, f_cp), g_cp = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))(*args)
-    (o_1, f_1), g_1 = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, backend=backend,
-                                                         **kw))(*args)
-    (o_r, f_r), g_r = value_and_grads(ref, args, wo, wf, **kw)
-    assert_rel(o_cp, o_1, tol_single, "o: CP vs single device")
-    assert_rel(f_cp, f_1, tol_single, "final state: CP vs single device")
+    (o_r, f_r), g_r = jax.jit(lambda *a: value_and_grads(ref, a, wo, wf, **kw))(*args)
     assert_rel(o_cp, o_r, tol, "o: CP vs reference")
     assert_rel(f_cp, f_r, tol, "final state: CP vs reference")
-    for name, a, b, r in zip(GRAD_NAMES, g_cp, g_1, g_r):
-        assert_rel(a, b, tol_single, f"{name}: CP vs single device")
+    for name, a, r in zip(GRAD_NAMES, g_cp, g_r):
         assert_rel(a, r, tol, f"{name}: CP vs reference")
+    if not single_device:
+        return
+    (o_1, f_1), g_1 = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, backend=backend,
+                                                         **kw))(*args)
+    assert_rel(o_cp, o_1, tol_single, "o: CP vs single device")
+    assert_rel(f_cp, f_1, tol_single, "final state: CP vs single device")
+    for name, a, b in zip(GRAD_NAMES, g_cp, g_1):
+        assert_rel(a, b, tol_single, f"{name}: CP vs single device")
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
-@pytest.mark.parametrize("W", [2, 4, 8])
+@pytest.mark.parametrize("W", [2, 8])
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_cp_varlen(kind, W, strategy):
+    """Every strategy on the XLA stages with check_vma on; W = 4 runs every strategy
+    through the Pallas kernels (test_cp_varlen_pallas_interpret)."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
                        n_states=len(cu) - 1, seed=W)
@@ -104,18 +110,23 @@ def test_cp_without_initial_state_or_final_state():
 def test_cp_varlen_pallas_interpret(kind, W, strategy):
     """The layouts of 4 and 8 devices (first, middle and last devices; a start on a device
     boundary; a sequence across several devices) through the Pallas kernels in interpret
-    mode (which needs shard_map's check_vma=False in JAX 0.11). Every strategy meets the
-    kernels at W = 4; at W = 8 allgather does (test_cp_varlen runs all three there)."""
+    mode (which needs shard_map's check_vma=False in JAX 0.11), against the reference (the
+    single-device kernels meet it in test_chunk, and CP equals one device on the XLA
+    stages here and to 1e-6 through the kernels in the bf16 test above). Every strategy
+    meets the kernels at W = 4; at W = 8 allgather does (test_cp_varlen runs all three there
+    on the XLA stages)."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 16,
                        n_states=len(cu) - 1, seed=W + 10)
     compare(kind, W, strategy, args, jnp.asarray(cu, jnp.int32), check_vma=False,
-            backend="interpret")
+            backend="interpret", single_device=False)
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
 def test_cp_token_major_pallas_interpret(strategy):
     """GDN without cu_seqlens and whole chunks per device: the Pallas kernels read q, k, v,
-    g, beta and write o in place ([B, T, HV, D] reshaped), under CP."""
+    g, beta and write o in place ([B, T, HV, D] reshaped), under CP; against the reference
+    as above."""
     args = make_inputs("gdn", 2, 2 * 64, 2, 2, 16, 16, n_states=2)
-    compare("gdn", 2, strategy, args, None, check_vma=False, backend="interpret")
+    compare("gdn", 2, strategy, args, None, check_vma=False, backend="interpret",
+            single_device=False)

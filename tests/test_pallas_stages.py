@@ -10,8 +10,9 @@ from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
 from jaxcp.pallas import intra as pintra
+from jaxcp.pallas import intra_channel
 from jaxcp.pallas import state as pstate
-from helpers import assert_rel, make_inputs
+from helpers import assert_rel, make_inputs, rel_err
 
 KINDS = ["gdn", "kda"]
 GATES = {"gdn": Gate.SCALAR, "kda": Gate.CHANNEL}
@@ -175,6 +176,46 @@ def test_intra_chunk_gdn(C, layout_name, correlated):
     assert kept.w is None and kept.u is None and kept.k_rows is None
     again = pintra.recompute_w_u(*args, layout, C, kept, interpret=True)
     assert_terms(plain(again, chunks), want, 1e-5)
+
+
+def kda_chunks(C, K, V, gates, seed=0):
+    """Chunk-layout KDA inputs (3 chunks of C, 2 heads); gates: "random" (log-sigmoid),
+    "-30" (uniform in [-30, 0)) or "-1e3" (a third of the gates -1e3, the rest -0.01)."""
+    rng = np.random.default_rng(seed)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    shape = (3, 1, 2, C)
+    g = {"random": lambda: jax.nn.log_sigmoid(r(*shape, K) + 2.0),
+         "-30": lambda: -30.0 * jnp.asarray(rng.random(shape + (K,)), jnp.float32),
+         "-1e3": lambda: jnp.where(jnp.asarray(rng.random(shape + (K,))) < 0.3, -1e3, -0.01)}
+    return r(*shape, K), r(*shape, K) / 4, r(*shape, V), g[gates](), jax.nn.sigmoid(r(*shape))
+
+
+@pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])
+def test_intra_chunk_kda(C, K, V):
+    """KDA's terms (sub-chunk products across sub-chunks, token by token within them; K in
+    column blocks at K = 128) equal the XLA twin's."""
+    args = kda_chunks(C, K, V, "random")
+    want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
+    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
+    assert intra_channel.intra_chunk(*args, 0.3, interpret=True).inv is None
+    assert_terms(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("gates", ["-30", "-1e3"])
+def test_intra_chunk_kda_very_negative_gates(gates):
+    """Gates of -30 and -1e3 per token: finite, and no further from the float64 terms than
+    the XLA twin (within sub-chunks the decays are partial sums of g, not differences of
+    large cumsums)."""
+    args = kda_chunks(64, 16, 16, gates)
+    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
+    want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
+    with jax.enable_x64():
+        exact = xla.intra_chunk(*(x.astype(jnp.float64) for x in args), 0.3, gate=Gate.CHANNEL,
+                                with_inverse=True)
+    for name in ("w", "u", "qg", "kd", "decay", "attn", "inv"):
+        a, b, ref = getattr(got, name), getattr(want, name), getattr(exact, name)
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
 
 
 def grads_inputs(T, C, cu, K, V, seed):

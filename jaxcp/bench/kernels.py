@@ -1,4 +1,5 @@
-"""The GDN kernel benchmark (scripts/bench_kernels.py records) as a markdown table."""
+"""The kernel benchmark of one op, GDN or KDA (scripts/bench_kernels.py records), as a
+markdown table."""
 from __future__ import annotations
 
 CHUNK = 64
@@ -7,21 +8,31 @@ PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
 IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla")
 
 
-def floor_ms(T: int, H: int, D: int, passes: str, device: str) -> float:
-    """Physical floor of GDN on this shape: max(bytes / bandwidth, FLOPs / tensor peak).
+def floor_ms(op: str, T: int, H: int, D: int, passes: str, device: str) -> float:
+    """Physical floor of the op on this shape: max(bytes / bandwidth, FLOPs / tensor peak).
 
-    fwd bytes: q, k, v read, o written (bf16), g and beta (fp32/bf16): ~ (4 D + 6) T H bytes x 2.
-    fwd FLOPs per (chunk, head): 2 [C^2 (3K + 2V) + 3 C K V] (kk^T, w, u, qk^T; w S, k^T v;
-    q S, attn v). fwd+bwd: about 3x the FLOPs (recompute + 2x for the gradients) and 2.5x
-    the bytes (inputs, do, five gradients)."""
+    fwd bytes: q, k, v read, o written (bf16), beta and g (fp32; g one value per token and
+    head for GDN, D for KDA). fwd FLOPs per (chunk, head), both ops:
+    2 [C^2 (3K + 2V) + 3 C K V] (kk^T, w, u, qk^T; w S, k^T v; q S, attn v). fwd+bwd: about
+    3x the FLOPs (recompute + 2x for the gradients) and 2.5x the bytes (inputs, do, five
+    gradients)."""
     bw, peak = next((v for k, v in PEAKS.items() if k in device), PEAKS["H100"])
     C = CHUNK
     n_chunk_heads = T // C * H
     flops = 2 * (C * C * (3 * D + 2 * D) + 3 * C * D * D) * n_chunk_heads
-    bytes_ = (4 * D * 2 + 2 * 4) * T * H
+    gate_bytes = 4 * (D if op == "kda" else 1)
+    bytes_ = (4 * D * 2 + 4 + gate_bytes) * T * H
     if passes == "fwd+bwd":
         flops, bytes_ = 3 * flops, 2.5 * bytes_
     return 1e3 * max(bytes_ / bw, flops / peak)
+
+
+def op_of(records: list[dict]) -> str:
+    """The one op ("gdn" or "kda") that the records time."""
+    ops = {r["op"] for r in records}
+    if len(ops) != 1:
+        raise ValueError(f"records: one op per benchmark file, got {sorted(ops)}")
+    return ops.pop()
 
 
 def shapes(records: list[dict]) -> list[tuple[int, int, int]]:
@@ -41,8 +52,9 @@ def markdown(records: list[dict]) -> str:
     jax = next((r["jax"] for r in records if r.get("jax")), "?")
     fla = next((r["fla"] for r in records if r.get("fla")), "not run")
     names = impls(records)
+    op = op_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
-    lines = ["# GDN kernel benchmark", "",
+    lines = [f"# {op.upper()} kernel benchmark", "",
              f"Device: {device}; jax {jax}; FLA {fla}. B = 1, bf16, q/k L2-normalised, "
              "median ms per call.", "",
              "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |",
@@ -54,7 +66,7 @@ def markdown(records: list[dict]) -> str:
             ratio = f"{p / f:.2f}x" if p and f else "-"
             lines.append(f"| {T} | {H} | {D} | {passes} | "
                          + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
-                         + f" | {ratio} | {floor_ms(T, H, D, passes, device):.2f} |")
+                         + f" | {ratio} | {floor_ms(op, T, H, D, passes, device):.2f} |")
     lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
               "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s (`jaxcp.bench.kernels."
               "floor_ms`)."]

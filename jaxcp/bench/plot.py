@@ -32,7 +32,7 @@ def kernels_png(records: list[dict], path: str) -> None:
             ax.bar([x + n * width for x in range(len(keys))], vals, width, label=impl)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))])
         ax.set_xticklabels([f"T={T}\nH={H} D={D}" for T, H, D in keys])
-        ax.set_title(f"GDN {passes}, {device}")
+        ax.set_title(f"{kernels.op_of(records).upper()} {passes}, {device}")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -103,6 +103,28 @@ def gram(x: Tile, y: Tile, products: Dots, bk: int):
     return sum_dots(products.native, x, col_tiles(y, bk), bk)
 
 
+def unit_lower_inverse(a, product):
+    """(I + a)^-1 of a strictly lower [n, n] a (n a power of two), by merging diagonal blocks
+    of doubling size s: with T_s the inverse of the block-diagonal part (blocks of size s) and
+    N_s the part of a inside the 2s-blocks but outside the s-blocks,
+    T_2s = T_s - T_s N_s T_s, per 2s-block the identity
+    [[L11, 0], [A21, L22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]] with Tii = Lii^-1.
+    Every intermediate is a block of the true inverse, which the delta rule keeps bounded.
+    (The power series (I - a)(I + a^2)(I + a^4)... is not safe: for correlated keys the
+    entries of a^m grow like binomial coefficients, and fp32 loses the inverse in cancellation.)
+    """
+    n = a.shape[0]
+    # i ^ j < 2s: i and j lie in the same aligned block of size 2s (s a power of two)
+    x = lax.broadcasted_iota(jnp.int32, (n, n), 0) ^ lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    inv = jnp.where(x == 0, 1.0, 0.0) - jnp.where(x < 2, a, 0.0)
+    s = 2
+    while s < n:
+        outer = (x >= s) & (x < 2 * s)
+        inv = inv - product(inv, product(jnp.where(outer, a, 0.0), inv))
+        s *= 2
+    return inv
+
+
 # ---------------------------------------------------------------------------- gate terms
 
 class ScalarGates(NamedTuple):

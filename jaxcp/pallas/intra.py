@@ -9,7 +9,7 @@ Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
     A      = strict_lower(beta_i (k_i . k_j) E_ij)
     T      = (I + A)^-1, merging diagonal blocks of size 1, 2, 4, ..., C/2
-             (_unit_lower_inverse)
+             (``common.unit_lower_inverse``)
     w      = (T diag(beta exp(G))) k;      u = (T diag(beta)) v
     attn   = lower(scale (q_i . k_j) E_ij),   decay = exp(G_C)
     q_rows = scale exp(G),   k_rows = exp(G_C - G)
@@ -39,39 +39,17 @@ from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.common import (Dots, Operands, ScalarGates, add_chunk_rows, call,
                                  chunk_specs, dots as make_dots, gram, named, on_tokens,
                                  refs_type, row_scale, rows_of_chunk, scalar_gates, scale_gram,
-                                 times)
+                                 times, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import Tile
 from jaxcp.xla.intra import ChunkTerms
-
-
-def _unit_lower_inverse(a, product):
-    """(I + a)^-1 of a strictly lower [n, n] a (n a power of two), by merging diagonal blocks
-    of doubling size s: with T_s the inverse of the block-diagonal part (blocks of size s) and
-    N_s the part of a inside the 2s-blocks but outside the s-blocks,
-    T_2s = T_s - T_s N_s T_s, per 2s-block the identity
-    [[L11, 0], [A21, L22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]] with Tii = Lii^-1.
-    Every intermediate is a block of the true inverse, which the delta rule keeps bounded.
-    (The power series (I - a)(I + a^2)(I + a^4)... is not safe: for correlated keys the
-    entries of a^m grow like binomial coefficients, and fp32 loses the inverse in cancellation.)
-    """
-    n = a.shape[0]
-    # i ^ j < 2s: i and j lie in the same aligned block of size 2s (s a power of two)
-    x = lax.broadcasted_iota(jnp.int32, (n, n), 0) ^ lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    inv = jnp.where(x == 0, 1.0, 0.0) - jnp.where(x < 2, a, 0.0)
-    s = 2
-    while s < n:
-        outer = (x >= s) & (x < 2 * s)
-        inv = inv - product(inv, product(jnp.where(outer, a, 0.0), inv))
-        s *= 2
-    return inv
 
 
 def _inverse(k: Tile, beta, gates: ScalarGates, dots: Dots, bk: int, rk=None):
     """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij), the keys scaled by rk
     (``row_scale``) when it is given."""
     kk = scale_gram(gram(k, k, dots, bk), rk, rk)
-    return _unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
+    return unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
 
 
 _IntraRefs = refs_type("_IntraRefs", "q k v g beta w u attn q_rows k_rows decay",

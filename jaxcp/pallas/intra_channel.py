@@ -1,0 +1,168 @@
+"""Pallas (Triton-lowered) intra-chunk terms of KDA, one program per (chunk, batch, head).
+
+Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``), in the
+chunk layout: q, k [NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, K] (natural-log
+decays, g <= 0), beta [NT, B, HV, C]. The terms come in the plain form of ``ChunkTerms``:
+w, qg, kd [NT, B, HV, C, K], u [..., C, V], attn and the inverse [..., C, C], decay
+[..., K].
+
+With G = cumsum(g) over the chunk's rows (per channel),
+
+    A_ij    = beta_i sum_d k_id k_jd exp(G_id - G_jd)     for j < i
+    attn_ij = scale  sum_d q_id k_jd exp(G_id - G_jd)     for j <= i
+
+is not a matrix product: the decay differs per channel. It is computed in two parts, in
+sub-chunks of S = 16 rows, so that no factor exceeds 1 whatever the gates:
+
+- j before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
+  exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so these blocks are tensor-core
+  products (x exp(G - G_r)) (k exp(G_r - G))^T, one per sub-chunk;
+- j in the sub-chunk of i: token by token in the distance delta = i - j (1 .. S - 1), each
+  exp(sum_{s = j+1 .. i} g_s) from a partial sum grown by one row of g per step, so that it
+  is exact to rounding even for gates of -1e3 (no difference of two large cumsums).
+
+Every exponent is <= 0, so the terms are finite for any g <= 0. Then
+
+    T = (I + A)^-1 (``unit_lower_inverse``),   w = T diag(beta) (k exp(G)),
+    u = T diag(beta) v,   qg = scale q exp(G),   kd = k exp(G_C - G),   decay = exp(G_C).
+
+K and V are walked in blocks of ``ChunkBlocks.col_block`` columns; the sums over channels
+add up over the blocks.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
+                                 refs_type, unit_lower_inverse)
+from jaxcp.pallas.config import ChunkBlocks
+from jaxcp.xla.intra import ChunkTerms
+
+SUB_CHUNK = 16
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _cross_sub_chunks(q, k, G, products, a_kk, a_qk):
+    """Adds to a_kk, a_qk [C, C] the parts of sum_d x_id k_jd exp(G_id - G_jd) (x = k, then
+    q) with j before the sub-chunk of i, for one block of channels."""
+    C = k.shape[0]
+    rows = _iota(G.shape, 0)
+    for b in range(1, C // SUB_CHUNK):
+        r = b * SUB_CHUNK
+        G_r = jnp.sum(jnp.where(rows == r, G, 0.0), axis=0, keepdims=True)      # [1, bk]
+        in_b = (rows >= r) & (rows < r + SUB_CHUNK)
+        left = jnp.exp(jnp.where(in_b, G - G_r, -jnp.inf))                       # <= 1
+        right = (k * jnp.exp(jnp.where(rows < r, G_r - G, -jnp.inf))).T          # <= 1
+        a_kk = a_kk + products(k * left, right)
+        a_qk = a_qk + products(q * left, right)
+    return a_kk, a_qk
+
+
+def _within_sub_chunks(q, k, k_ref, g_ref, cols, a_kk, a_qk):
+    """Adds to a_kk, a_qk the parts with j in the sub-chunk of i (j < i; and j == i for
+    a_qk), for the block of channels cols of k_ref, g_ref."""
+    C, bk = k.shape
+    rows = _iota((C,), 0)
+    at = _iota((C, C), 1) - _iota((C, C), 0)             # j - i
+    a_qk = a_qk + jnp.where(at == 0, jnp.sum(q * k, axis=1)[:, None], 0.0)
+
+    def step(delta, carry):
+        decay_sum, a_kk, a_qk = carry
+        partner = rows - delta
+        same = (rows % SUB_CHUNK) >= delta                 # j = i - delta in i's sub-chunk
+        # sum_{s = j+1 .. i} g_s, one more row of g than at delta - 1
+        decay_sum = decay_sum + g_ref[jnp.maximum(partner + 1, 0), cols].astype(jnp.float32)
+        k_j = k_ref[jnp.maximum(partner, 0), cols].astype(jnp.float32)
+        e = jnp.exp(jnp.where(same[:, None], decay_sum, -jnp.inf)) * k_j
+        hit = (at == -delta) & same[:, None]
+        a_kk = a_kk + jnp.where(hit, jnp.sum(k * e, axis=1)[:, None], 0.0)
+        a_qk = a_qk + jnp.where(hit, jnp.sum(q * e, axis=1)[:, None], 0.0)
+        return decay_sum, a_kk, a_qk
+
+    zero = jnp.zeros((C, bk), jnp.float32)
+    return lax.fori_loop(1, SUB_CHUNK, step, (zero, a_kk, a_qk))[1:]
+
+
+_Refs = refs_type("_Refs", "q k v g beta w u qg kd attn decay", "inv")
+
+
+def _intra_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
+    r = named(_Refs, names, refs)
+    C, K = r.k.shape
+    V = r.v.shape[-1]
+    bk, bv = blocks.cols(K), blocks.cols(V)
+    f32 = lambda x: x.astype(jnp.float32)
+    beta = f32(r.beta[...])
+
+    def channels(j):
+        cols = pl.ds(j * bk, bk)
+        g = f32(r.g[:, cols])
+        return cols, f32(r.q[:, cols]), f32(r.k[:, cols]), g, jnp.cumsum(g, axis=0)
+
+    a_kk = a_qk = jnp.zeros((C, C), jnp.float32)
+    for j in range(K // bk):
+        cols, q, k, g, G = channels(j)
+        a_kk, a_qk = _cross_sub_chunks(q, k, G, dots.plain, a_kk, a_qk)
+        a_kk, a_qk = _within_sub_chunks(q, k, r.k, r.g, cols, a_kk, a_qk)
+    r.attn[...] = (a_qk * scale).astype(r.attn.dtype)
+    inv = unit_lower_inverse(beta[:, None] * a_kk, dots.plain)
+    if r.inv is not None:
+        r.inv[...] = inv.astype(r.inv.dtype)
+    inv_beta = inv * beta[None, :]
+    for j in range(K // bk):
+        cols, q, k, g, G = channels(j)
+        # G_C as the cumsum's own last row, so that G_C - G is rounded as G is
+        G_last = jnp.sum(jnp.where(_iota(G.shape, 0) == C - 1, G, 0.0), axis=0, keepdims=True)
+        eg = jnp.exp(G)
+        r.w[:, cols] = dots.plain(inv_beta, k * eg).astype(r.w.dtype)
+        r.qg[:, cols] = (q * eg * scale).astype(r.qg.dtype)
+        r.kd[:, cols] = (k * jnp.exp(G_last - G)).astype(r.kd.dtype)
+        r.decay[cols] = jnp.exp(G_last[0])
+    for j in range(V // bv):
+        cols = pl.ds(j * bv, bv)
+        r.u[:, cols] = dots.plain(inv_beta, f32(r.v[:, cols])).astype(r.u.dtype)
+
+
+def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
+                interpret: bool = False, precise: bool = True, out_dtype=jnp.float32,
+                blocks: ChunkBlocks | None = None) -> ChunkTerms:
+    """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring).
+    q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta [NT, B, HV, C], chunk layout, C a
+    multiple of 16. precise: 3xTF32 products (fp32 inputs), else single TF32 products of the
+    fp32 factor tiles (bf16 inputs; see ``common.dots``). out_dtype: the dtype of w, u, qg,
+    kd, attn and the inverse (decay stays float32). blocks: the launch configuration
+    (``ChunkBlocks.default`` if None)."""
+    NT, B, HV, C, K = k.shape
+    V = v.shape[-1]
+    if C % SUB_CHUNK:
+        raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK} for the Pallas KDA "
+                         f"kernels, got {C}")
+    blocks = blocks or ChunkBlocks.default(K, q.dtype)
+    sp = chunk_specs(C, C)
+    ins = Operands()
+    for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V), ("g", g, K)):
+        ins.add(name, sp.tile(d), x)
+    ins.add("beta", sp.vec, beta)
+    per_channel = pl.BlockSpec((None, None, None, K), lambda t, b, h: (t, b, h, 0))
+
+    def outs(out, struct):
+        terms = lambda *s, dtype=out_dtype: struct((NT, B, HV) + s, dtype)
+        out.add("w", sp.tile(K), terms(C, K))
+        out.add("u", sp.tile(V), terms(C, V))
+        out.add("qg", sp.tile(K), terms(C, K))
+        out.add("kd", sp.tile(K), terms(C, K))
+        out.add("attn", sp.tile(C), terms(C, C))
+        out.add("decay", per_channel, terms(K, dtype=jnp.float32))
+        if with_inverse:
+            out.add("inv", sp.tile(C), terms(C, C))
+
+    res, _ = call(_intra_kernel, (NT, B, HV), ins, outs, name="kda_intra_chunk",
+                  params=blocks.params(interpret), scale=scale,
+                  dots=make_dots(precise, interpret), blocks=blocks)
+    return ChunkTerms(w=res["w"], u=res["u"], qg=res["qg"], kd=res["kd"], decay=res["decay"],
+                      attn=res["attn"], inv=res.get("inv"))
