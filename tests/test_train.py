@@ -1,4 +1,4 @@
-"""The training step: CP == no CP on (2, 2) and (1, 4) meshes, float32 and bfloat16 compute;
+"""The training step: CP == no CP on a (2, 2) mesh in float32 and a (1, 4) mesh in bfloat16;
 MQAR data; the train script."""
 import subprocess
 import sys
@@ -38,11 +38,11 @@ def train_steps(data, seq, cp, steps=2, dtype=jnp.float32):
     return losses, params
 
 
-@pytest.mark.parametrize("data,seq,dtype", [(2, 2, jnp.float32), (1, 4, jnp.float32),
-                                            (1, 4, jnp.bfloat16)])
+@pytest.mark.parametrize("data,seq,dtype", [(2, 2, jnp.float32), (1, 4, jnp.bfloat16)])
 def test_train_step_cp_equals_no_cp(data, seq, dtype):
     """Loss and updated parameters of two steps (the warmup's first learning rate is 0), CP
-    vs one device; bfloat16 is the compute dtype, the master parameters stay float32."""
+    vs one device; bfloat16 is the compute dtype, the master parameters stay float32. (The
+    layers under CP on 4 devices meet float32 tolerances in test_models.)"""
     tol = TOL[dtype]
     losses_cp, params_cp = train_steps(data, seq, cp=True, dtype=dtype)
     losses, params = train_steps(data, 1, cp=False, dtype=dtype)
