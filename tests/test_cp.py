@@ -49,12 +49,13 @@ def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=No
         assert_rel(a, b, tol_single, f"{name}: CP vs single device")
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "all_to_all", "relay"])
-@pytest.mark.parametrize("W", [2, 8])
+@pytest.mark.parametrize("W, strategy", [(2, "allgather"), (2, "all_to_all"), (2, "relay"),
+                                         (8, "allgather"), (8, "all_to_all")])
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_cp_varlen(kind, W, strategy):
-    """Every strategy on the XLA stages with check_vma on; W = 4 runs every strategy
-    through the Pallas kernels (test_cp_varlen_pallas_interpret)."""
+    """The strategies on the XLA stages with check_vma on; W = 4 runs every strategy through
+    the Pallas kernels (test_cp_varlen_pallas_interpret), relay's hand-offs across a
+    sequence of 3+ devices included."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
                        n_states=len(cu) - 1, seed=W)
@@ -113,8 +114,7 @@ def test_cp_varlen_pallas_interpret(kind, W, strategy):
     mode (which needs shard_map's check_vma=False in JAX 0.11), against the reference (the
     single-device kernels meet it in test_chunk, and CP equals one device on the XLA
     stages here and to 1e-6 through the kernels in the bf16 test above). Every strategy
-    meets the kernels at W = 4; at W = 8 allgather does (test_cp_varlen runs all three there
-    on the XLA stages)."""
+    meets the kernels at W = 4; at W = 8 allgather does."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 16,
                        n_states=len(cu) - 1, seed=W + 10)
