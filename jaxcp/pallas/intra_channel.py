@@ -129,14 +129,13 @@ def _intra_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
-                interpret: bool = False, precise: bool = True, out_dtype=jnp.float32,
+                interpret: bool = False, precise: bool = True,
                 blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring).
     q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta [NT, B, HV, C], chunk layout, C a
     multiple of 16. precise: 3xTF32 products (fp32 inputs), else single TF32 products of the
-    fp32 factor tiles (bf16 inputs; see ``common.dots``). out_dtype: the dtype of w, u, qg,
-    kd, attn and the inverse (decay stays float32). blocks: the launch configuration
-    (``ChunkBlocks.default`` if None)."""
+    fp32 factor tiles (bf16 inputs; see ``common.dots``). The terms are float32, as the jnp
+    twin's. blocks: the launch configuration (``ChunkBlocks.default`` if None)."""
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     if C % SUB_CHUNK:
@@ -151,13 +150,13 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     per_channel = pl.BlockSpec((None, None, None, K), lambda t, b, h: (t, b, h, 0))
 
     def outs(out, struct):
-        terms = lambda *s, dtype=out_dtype: struct((NT, B, HV) + s, dtype)
+        terms = lambda *s: struct((NT, B, HV) + s, jnp.float32)
         out.add("w", sp.tile(K), terms(C, K))
         out.add("u", sp.tile(V), terms(C, V))
         out.add("qg", sp.tile(K), terms(C, K))
         out.add("kd", sp.tile(K), terms(C, K))
         out.add("attn", sp.tile(C), terms(C, C))
-        out.add("decay", per_channel, terms(K, dtype=jnp.float32))
+        out.add("decay", per_channel, terms(K))
         if with_inverse:
             out.add("inv", sp.tile(C), terms(C, C))
 
