@@ -10,7 +10,7 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 |----------|---------|-------------------------------------|-------------------|-------------|
 | "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no          |
 | "pallas" | SCALAR  | Pallas (``pallas.intra``, ``grads``) | Pallas (``pallas.state``) | yes  |
-| "pallas" | CHANNEL | Pallas (``pallas.intra_channel``); cotangents jnp | Pallas | no |
+| "pallas" | CHANNEL | Pallas (``pallas.intra_channel``, ``grads_channel``) | Pallas | no |
 
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant is
@@ -133,20 +133,25 @@ def _pallas_scalar_stages(o: StageOptions) -> Stages:
 
 
 def _pallas_channel_stages(o: StageOptions) -> Stages:
-    """KDA: the intra-chunk terms and the state recurrences as Pallas kernels, in the chunk
-    layout; the input cotangents fall through to the jnp stage (``xla.chunk_grads``, which
-    recomputes the terms it differentiates, so the forward keeps nothing for it)."""
-    from jaxcp.pallas import intra_channel
+    """KDA: every stage a Pallas kernel, in the chunk layout. The backward computes the
+    terms again with the inverse (``intra_channel``) and its input cotangents read it
+    (``grads_channel``)."""
+    from jaxcp.pallas import grads_channel, intra_channel
+    precise = o.dot_dtype == "float32"
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
-        return intra_channel.intra_chunk(q, k, v, g, beta, scale, interpret=o.interpret,
-                                         precise=o.dot_dtype == "float32")
+        return intra_channel.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
+                                         interpret=o.interpret, precise=precise)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
-        return intra(q, k, v, g, beta, scale, layout)
+        return intra(q, k, v, g, beta, scale, layout, with_inverse=True)
 
-    return _xla_stages(o)._replace(intra=intra, intra_again=intra_again,
-                                   **_pallas_state_stages(o, token_major=False))
+    def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
+        return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
+                                         interpret=o.interpret, precise=precise)
+
+    return Stages(intra=intra, keep=lambda terms: None, intra_again=intra_again,
+                  chunk_grads=chunk_grads, **_pallas_state_stages(o, token_major=False))
 
 
 # In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at

@@ -34,6 +34,8 @@ def main(argv=None):
                     help="packed sequences: comma list of offsets from 0 to T")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--op", choices=("gdn", "kda"), default="gdn",
+                    help="kda: the KDA stages as the op runs them (chunk layout), no variants")
     args = ap.parse_args(argv)
     cu = None
     if args.cu_seqlens:
@@ -57,6 +59,8 @@ def main(argv=None):
     from jaxcp.pallas import intra as pintra
     from jaxcp.pallas import state as pstate
 
+    if args.op == "kda":
+        return _profile_kda(args, cu)
     T, H, D, C = args.T, args.H, args.D, 64
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -151,10 +155,82 @@ def main(argv=None):
     wo = r(1, T, H, D)
     timed("op forward+backward", forward_backward(lambda *a: op(*a)[0], range(5), wo), *xs)
 
+    _table(rows, T, H, D)
+
+
+def _table(rows, T, H, D):
+    import jax
     print(f"\ndevice={jax.devices()[0].device_kind} jax={jax.__version__} T={T} H={H} D={D}")
     print("| stage | ms |\n|---|---|")
     for name, ms in rows:
         print(f"| {name} | {ms:.3f} |")
+
+
+def _profile_kda(args, cu):
+    """The KDA stages of ``stages_for(backend, Gate.CHANNEL)`` for bf16 inputs, each alone,
+    on inputs in the chunk layout as the op passes them (q, k normalised by XLA), then the
+    whole op."""
+    import jax
+    import jax.numpy as jnp
+    import jaxcp
+    from jaxcp.bench.timing import forward_backward, median_ms
+    from jaxcp.gate import Gate
+    from jaxcp.l2norm import l2_normalize
+    from jaxcp.layout import build_layout, num_chunks, to_chunks
+    from jaxcp.stages import implementation, stages_for
+
+    T, H, D, C = args.T, args.H, args.D, 64
+    backend = "interpret" if args.interpret else "pallas"
+    impl = implementation(backend, Gate.CHANNEL)
+    io = impl.io_dtype("bfloat16")
+    st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C)
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
+    g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H, D)), jnp.float32))
+    beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32)).astype(jnp.bfloat16)
+    cu_seqlens = None if cu is None else jnp.asarray(cu, jnp.int32)
+    layout, tmap = build_layout(1, T, C, cu_seqlens, 0, T)
+    NT = num_chunks(T, C, None if cu is None else len(cu) - 1)
+    scale = D ** -0.5
+    rows = []
+
+    def timed(name, fn, *xs):
+        fn = jax.jit(fn)
+        ms = median_ms(fn, *xs, iters=args.iters, warmup=0)
+        rows.append((name, ms))
+        print(f"{name:44} {ms:9.3f} ms", flush=True)
+        return fn(*xs)
+
+    def chunked(q, k, v, g, beta):
+        f32 = lambda x: x.astype(jnp.float32)
+        q, k = (l2_normalize(f32(x)).astype(io) for x in (q, k))
+        return tuple(to_chunks(x, tmap, NT, C) for x in (q, k, v.astype(io), f32(g), f32(beta)))
+
+    xs = timed("l2norm + to_chunks (XLA)", chunked, q, k, v, g, beta)
+    timed("intra", lambda *a: st.intra(*a, scale, layout), *xs)
+    terms = timed("intra keeping the inverse (forward under grad)",
+                  lambda *a: st.intra(*a, scale, layout, with_inverse=True), *xs)
+    kept = st.keep(terms)
+    terms = timed("intra_again (backward)",
+                  lambda kept, *a: st.intra_again(*a, scale, layout, kept), kept, *xs)
+    h0 = jnp.zeros((1, H, D, D), jnp.float32)
+    timed("state_output (fwd recurrence + output)",
+          lambda t: st.state_output(t, layout, None, h0, False)[0], terms)
+    h, vn, _ = timed("state_fwd (stores h, v_new)",
+                     lambda t: st.state_fwd(t, layout, None, h0), terms)
+    do = to_chunks(r(1, T, H, D), tmap, NT, C)
+    _, _, x, dvn = timed("state_bwd", lambda t, d: st.state_bwd(t, layout, d, None, h0),
+                         terms, do)
+    timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
+          *xs, terms, h, vn, x, dvn, do)
+    op = partial(jaxcp.chunk_kda, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                 backend=backend)
+    timed("op forward", lambda *a: op(*a)[0], q, k, v, g, beta)
+    wo = r(1, T, H, D)
+    timed("op forward+backward", forward_backward(lambda *a: op(*a)[0], range(5), wo),
+          q, k, v, g, beta)
+    _table(rows, T, H, D)
 
 
 if __name__ == "__main__":

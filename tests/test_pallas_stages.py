@@ -9,6 +9,7 @@ from jaxcp.gate import Gate
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
+from jaxcp.pallas import grads_channel as pgrads_channel
 from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import intra_channel
 from jaxcp.pallas import state as pstate
@@ -214,6 +215,55 @@ def test_intra_chunk_kda_very_negative_gates(gates):
                                 with_inverse=True)
     for name in ("w", "u", "qg", "kd", "decay", "attn", "inv"):
         a, b, ref = getattr(got, name), getattr(want, name), getattr(exact, name)
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
+
+
+def kda_grads_inputs(C, K, V, gates):
+    """Chunk-layout KDA inputs, their terms with the inverse, and random h, v_new, X, dvn,
+    do (3 chunks, 2 heads)."""
+    args = kda_chunks(C, K, V, gates)
+    rng = np.random.default_rng(1)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    rest = (r(3, 1, 2, K, V), r(3, 1, 2, C, V), r(3, 1, 2, K, V), r(3, 1, 2, C, V),
+            r(3, 1, 2, C, V))
+    return args, xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True), rest
+
+
+def float64_chunk_grads(args, rest):
+    """xla.chunk_grads for the per-channel gate, in float64 throughout."""
+    with jax.enable_x64():
+        q, k, v, g, beta = (x.astype(jnp.float64) for x in args)
+        h, v_new, x, dvn, do = (a.astype(jnp.float64) for a in rest)
+        e = xla.intra.einsum
+        d_terms = xla.ChunkTerms(
+            w=-e("...cv,...kv->...ck", dvn, h), u=dvn, qg=e("...cv,...kv->...ck", do, h),
+            kd=e("...cv,...kv->...ck", v_new, x), decay=jnp.sum(h * x, axis=-1),
+            attn=e("...iv,...jv->...ij", do, v_new))
+        intra = lambda *xs: xla.intra_chunk(*xs, 0.3, gate=Gate.CHANNEL)
+        return jax.vjp(intra, q, k, v, g, beta)[1](d_terms)
+
+
+@pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])
+def test_chunk_grads_kda(C, K, V):
+    """KDA's cotangent kernels (gated row and column sums across and within sub-chunks; K, V
+    in column blocks at 128) equal the XLA twin's."""
+    args, terms, rest = kda_grads_inputs(C, K, V, "random")
+    want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
+    got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert_rel(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("gates", ["-30", "-1e3"])
+def test_chunk_grads_kda_very_negative_gates(gates):
+    """Gates of -30 and -1e3 per token: the cotangents are finite and no further from the
+    float64 ones than the XLA twin's."""
+    args, terms, rest = kda_grads_inputs(64, 16, 16, gates)
+    got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
+    want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
+    exact = float64_chunk_grads(args, rest)
+    for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, exact):
         assert bool(jnp.all(jnp.isfinite(a))), name
         assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
 

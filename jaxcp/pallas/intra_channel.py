@@ -35,57 +35,53 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcp.pallas.channel import (SUB_CHUNK, iota, row_of, sub_chunks,
+                                  within_sub_chunks)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
-SUB_CHUNK = 16
-
-
-def _iota(shape, dim):
-    return lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
 def _cross_sub_chunks(q, k, G, products, a_kk, a_qk):
     """Adds to a_kk, a_qk [C, C] the parts of sum_d x_id k_jd exp(G_id - G_jd) (x = k, then
     q) with j before the sub-chunk of i, for one block of channels."""
-    C = k.shape[0]
-    rows = _iota(G.shape, 0)
-    for b in range(1, C // SUB_CHUNK):
-        r = b * SUB_CHUNK
-        G_r = jnp.sum(jnp.where(rows == r, G, 0.0), axis=0, keepdims=True)      # [1, bk]
-        in_b = (rows >= r) & (rows < r + SUB_CHUNK)
-        left = jnp.exp(jnp.where(in_b, G - G_r, -jnp.inf))                       # <= 1
-        right = (k * jnp.exp(jnp.where(rows < r, G_r - G, -jnp.inf))).T          # <= 1
-        a_kk = a_kk + products(k * left, right)
-        a_qk = a_qk + products(q * left, right)
+    for sc in sub_chunks(G):
+        right = (k * sc.right).T
+        a_kk = a_kk + products(k * sc.left, right)
+        a_qk = a_qk + products(q * sc.left, right)
     return a_kk, a_qk
 
 
-def _within_sub_chunks(q, k, k_ref, g_ref, cols, a_kk, a_qk):
-    """Adds to a_kk, a_qk the parts with j in the sub-chunk of i (j < i; and j == i for
-    a_qk), for the block of channels cols of k_ref, g_ref."""
+def _within_sub_chunks(q, k, k_ref, g_ref, cols, by_delta):
+    """Adds to by_delta = (kk, qk) [C, S] the sums sum_d x_id k_jd exp(G_id - G_jd) of the
+    pairs j = i - delta in i's sub-chunk (x = k, q) at column delta, for the block of
+    channels cols of k_ref, g_ref. Carrying [C, S] instead of [C, C] accumulators through
+    the loop keeps the kernel inside the registers."""
     C, bk = k.shape
-    rows = _iota((C,), 0)
-    at = _iota((C, C), 1) - _iota((C, C), 0)             # j - i
-    a_qk = a_qk + jnp.where(at == 0, jnp.sum(q * k, axis=1)[:, None], 0.0)
+    at_delta = lambda s, x: jnp.where(iota((C, SUB_CHUNK), 1) == s.delta,
+                                      jnp.sum(x, axis=1)[:, None], 0.0)
 
-    def step(delta, carry):
-        decay_sum, a_kk, a_qk = carry
-        partner = rows - delta
-        same = (rows % SUB_CHUNK) >= delta                 # j = i - delta in i's sub-chunk
-        # sum_{s = j+1 .. i} g_s, one more row of g than at delta - 1
-        decay_sum = decay_sum + g_ref[jnp.maximum(partner + 1, 0), cols].astype(jnp.float32)
-        k_j = k_ref[jnp.maximum(partner, 0), cols].astype(jnp.float32)
-        e = jnp.exp(jnp.where(same[:, None], decay_sum, -jnp.inf)) * k_j
-        hit = (at == -delta) & same[:, None]
-        a_kk = a_kk + jnp.where(hit, jnp.sum(k * e, axis=1)[:, None], 0.0)
-        a_qk = a_qk + jnp.where(hit, jnp.sum(q * e, axis=1)[:, None], 0.0)
-        return decay_sum, a_kk, a_qk
+    def body(s, acc):
+        kk, qk = acc
+        e = s.decay * k_ref[s.partner, cols].astype(jnp.float32)
+        return kk + at_delta(s, k * e), qk + at_delta(s, q * e)
 
-    zero = jnp.zeros((C, bk), jnp.float32)
-    return lax.fori_loop(1, SUB_CHUNK, step, (zero, a_kk, a_qk))[1:]
+    return within_sub_chunks(lambda idx: g_ref[idx, cols], C, bk, body, by_delta,
+                             upward=False)
+
+
+def _spread(by_delta, a):
+    """a [C, C] plus by_delta [C, S] placed on the bands: a_{i, i - delta} += by_delta[i, delta]."""
+    C = a.shape[0]
+    at = iota((C, C), 0) - iota((C, C), 1)
+    for delta in range(1, SUB_CHUNK):
+        a = a + jnp.where(at == delta, _column(by_delta, delta)[:, None], 0.0)
+    return a
+
+
+def _column(x, j: int):
+    """Column j of a [C, n] tile as [C]."""
+    return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1)
 
 
 _Refs = refs_type("_Refs", "q k v g beta w u qg kd attn decay", "inv")
@@ -105,10 +101,16 @@ def _intra_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         return cols, f32(r.q[:, cols]), f32(r.k[:, cols]), g, jnp.cumsum(g, axis=0)
 
     a_kk = a_qk = jnp.zeros((C, C), jnp.float32)
+    by_delta = (jnp.zeros((C, SUB_CHUNK), jnp.float32),) * 2
+    qk_diagonal = jnp.zeros((C,), jnp.float32)          # j = i, decay 1
     for j in range(K // bk):
         cols, q, k, g, G = channels(j)
         a_kk, a_qk = _cross_sub_chunks(q, k, G, dots.plain, a_kk, a_qk)
-        a_kk, a_qk = _within_sub_chunks(q, k, r.k, r.g, cols, a_kk, a_qk)
+        by_delta = _within_sub_chunks(q, k, r.k, r.g, cols, by_delta)
+        qk_diagonal = qk_diagonal + jnp.sum(q * k, axis=1)
+    a_kk = _spread(by_delta[0], a_kk)
+    a_qk = _spread(by_delta[1], a_qk) + jnp.where(iota((C, C), 0) == iota((C, C), 1),
+                                                  qk_diagonal[:, None], 0.0)
     r.attn[...] = (a_qk * scale).astype(r.attn.dtype)
     inv = unit_lower_inverse(beta[:, None] * a_kk, dots.plain)
     if r.inv is not None:
@@ -117,7 +119,7 @@ def _intra_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     for j in range(K // bk):
         cols, q, k, g, G = channels(j)
         # G_C as the cumsum's own last row, so that G_C - G is rounded as G is
-        G_last = jnp.sum(jnp.where(_iota(G.shape, 0) == C - 1, G, 0.0), axis=0, keepdims=True)
+        G_last = row_of(G, C - 1)
         eg = jnp.exp(G)
         r.w[:, cols] = dots.plain(inv_beta, k * eg).astype(r.w.dtype)
         r.qg[:, cols] = (q * eg * scale).astype(r.qg.dtype)
