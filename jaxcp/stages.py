@@ -25,7 +25,7 @@ whose bare q, k are the token tensors as given.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import Callable, NamedTuple
 
@@ -146,12 +146,19 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     def intra_again(q, k, v, g, beta, scale, layout, kept):
         return intra(q, k, v, g, beta, scale, layout, with_inverse=True)
 
+    # 3xTF32 products for every input dtype: with bf16 operands, correlated keys put dq and
+    # dbeta at 9e-3 to 1.2e-2 of the reference on the H100 (gpu_checks.md)
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
-                                         interpret=o.interpret, precise=precise)
+                                         interpret=o.interpret, precise=True)
 
+    # The state recurrences keep KDA's terms in float32 (3xTF32 products) for every input
+    # dtype. GDN's kd and qg reach them as the bf16 inputs times fp32 row factors, exact;
+    # KDA's are rounded products, and with correlated keys the rounding of w, kd, u, qg and
+    # attn to bf16 each moves o by ~1e-2 (measured: docs/precision.md).
+    state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False)
     return Stages(intra=intra, keep=lambda terms: None, intra_again=intra_again,
-                  chunk_grads=chunk_grads, **_pallas_state_stages(o, token_major=False))
+                  chunk_grads=chunk_grads, **state)
 
 
 # In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at
