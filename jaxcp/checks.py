@@ -114,3 +114,39 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
                              f"([N, HV, K, V], N = number of sequences), got "
                              f"{tuple(initial_state.shape)}")
     return world
+
+
+def check_channel_gate(q, v, g, *, use_gate_in_kernel, A_log, dt_bias, safe_gate,
+                       lower_bound) -> None:
+    """Validate chunk_kda's gate arguments (FLA's contract; see ``gate.channel_gate``) before
+    the gate is applied; ``check_inputs`` checks q, v and the decay after."""
+    if not isinstance(use_gate_in_kernel, bool):
+        raise TypeError(f"use_gate_in_kernel must be a bool, got {use_gate_in_kernel!r}")
+    if lower_bound is not None and not (isinstance(lower_bound, (int, float))
+                                        and lower_bound < 0):
+        raise ValueError(f"lower_bound must be a negative float or None, got {lower_bound!r}")
+    if safe_gate and use_gate_in_kernel and (lower_bound is None or lower_bound < -5):
+        raise ValueError(f"safe_gate with use_gate_in_kernel needs lower_bound in [-5, 0), "
+                         f"got {lower_bound!r}")
+    if not use_gate_in_kernel:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None:
+                raise ValueError(f"{name} is read only with use_gate_in_kernel=True (g is the "
+                                 f"decay itself otherwise)")
+        return
+    _check_array("q", q, "[B, T, H, K]")
+    _check_array("v", v, "[B, T, HV, V]")
+    _check_array("g", g, Gate.CHANNEL.dims())
+    HV, K = v.shape[2], q.shape[3]
+    if tuple(g.shape) != (*v.shape[:3], K):
+        raise ValueError(f"g must have shape {(*v.shape[:3], K)}, got {tuple(g.shape)}")
+    if A_log is None and lower_bound is None:
+        raise ValueError("A_log [HV] is needed with use_gate_in_kernel=True unless lower_bound "
+                         "is set")
+    for name, x, shape in (("A_log", A_log, (HV,)), ("dt_bias", dt_bias, (HV * K,))):
+        if x is None:
+            continue
+        if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point jax array {list(shape)}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")

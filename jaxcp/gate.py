@@ -1,4 +1,6 @@
-"""The kind of decay gate of a delta-rule variant: one value from the public op to the kernels.
+"""The kind of decay gate of a delta-rule variant: one value from the public op to the kernels;
+and KDA's gate activation (``channel_gate``), which ``chunk_kda(use_gate_in_kernel=True)``
+applies inside the op.
 
 Per value head and token t, the state S [K, V] decays before the delta-rule update:
 
@@ -12,6 +14,9 @@ that width: every stage and kernel is told it.
 from __future__ import annotations
 
 import enum
+
+import jax
+import jax.numpy as jnp
 
 
 class Gate(enum.Enum):
@@ -29,3 +34,23 @@ class Gate(enum.Enum):
     def shape(self, B: int, T: int, HV: int, K: int) -> tuple[int, ...]:
         """The public op's g shape."""
         return (B, T, HV) if self is Gate.SCALAR else (B, T, HV, K)
+
+
+def channel_gate(g_raw: jax.Array, A_log: jax.Array | None, dt_bias: jax.Array | None,
+                 lower_bound: float | None) -> jax.Array:
+    """KDA's decay from the raw gate input, float32 [B, T, HV, K] (FLA's contract):
+
+        g = -exp(A_log) * softplus(g_raw + dt_bias)                (lower_bound None)
+        g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))  (lower_bound < 0; without
+                                                                   A_log: of g_raw + dt_bias)
+
+    g_raw [B, T, HV, K]; A_log [HV] (per value head); dt_bias [HV * K] or None. The first
+    form is in (-inf, 0), the second in (lower_bound, 0)."""
+    HV, K = g_raw.shape[-2:]
+    x = g_raw.astype(jnp.float32)
+    if dt_bias is not None:
+        x = x + dt_bias.astype(jnp.float32).reshape(HV, K)
+    a = None if A_log is None else jnp.exp(A_log.astype(jnp.float32))[:, None]
+    if lower_bound is None:
+        return -a * jax.nn.softplus(x)
+    return lower_bound * jax.nn.sigmoid(x if a is None else a * x)

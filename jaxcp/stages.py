@@ -133,9 +133,9 @@ def _pallas_scalar_stages(o: StageOptions) -> Stages:
 
 
 def _pallas_channel_stages(o: StageOptions) -> Stages:
-    """KDA: every stage a Pallas kernel, in the chunk layout. The backward computes the
-    terms again with the inverse (``intra_channel``) and its input cotangents read it
-    (``grads_channel``)."""
+    """KDA: every stage a Pallas kernel, in the chunk layout. The forward keeps T and attn;
+    the backward computes w, u and the factor tiles again from T (``intra_channel``), and
+    its input cotangents read T (``grads_channel``)."""
     from jaxcp.pallas import grads_channel, intra_channel
     precise = o.dot_dtype == "float32"
 
@@ -144,7 +144,8 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
                                          interpret=o.interpret, precise=precise)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
-        return intra(q, k, v, g, beta, scale, layout, with_inverse=True)
+        return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept,
+                                             interpret=o.interpret, precise=precise)
 
     # 3xTF32 products for every input dtype: with bf16 operands, correlated keys put dq and
     # dbeta at 9e-3 to 1.2e-2 of the reference on the H100 (gpu_checks.md)
@@ -157,7 +158,7 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # KDA's are rounded products, and with correlated keys the rounding of w, kd, u, qg and
     # attn to bf16 each moves o by ~1e-2 (measured: docs/precision.md).
     state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False)
-    return Stages(intra=intra, keep=lambda terms: None, intra_again=intra_again,
+    return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)
 
 

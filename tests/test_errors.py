@@ -44,6 +44,24 @@ def test_kda_gate_must_be_per_channel():
         jaxcp.chunk_kda(q, k, v, g, beta)
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(A_log=jnp.zeros(1)), ValueError, "A_log is read only with use_gate_in_kernel"),
+    (dict(use_gate_in_kernel=True), ValueError, "A_log"),
+    (dict(use_gate_in_kernel=True, A_log=jnp.zeros(2)), ValueError, "A_log must have shape"),
+    (dict(use_gate_in_kernel=True, A_log=jnp.zeros(1), dt_bias=jnp.zeros(8)), ValueError,
+     "dt_bias must have shape"),
+    (dict(use_gate_in_kernel=True, A_log=jnp.zeros(1, jnp.int32)), TypeError, "A_log"),
+    (dict(use_gate_in_kernel=True, safe_gate=True, A_log=jnp.zeros(1)), ValueError,
+     "lower_bound"),
+    (dict(use_gate_in_kernel=True, lower_bound=0.5), ValueError, "lower_bound"),
+    (dict(use_gate_in_kernel=1, A_log=jnp.zeros(1)), TypeError, "use_gate_in_kernel"),
+])
+def test_kda_gate_arguments(kw, exc, match):
+    q, k, v, g, beta, _ = make_inputs("kda", 1, 32, 1, 1, 16, 16)
+    with pytest.raises(exc, match=match):
+        jaxcp.chunk_kda(q, k, v, g, beta, **kw)
+
+
 def test_head_dim_not_supported():
     q, k, v, g, beta, _ = make_inputs("gdn", 1, 8, 1, 1, 16, 16)
     q = k = jnp.zeros((1, 8, 1, 48))

@@ -194,12 +194,19 @@ def kda_chunks(C, K, V, gates, seed=0):
 @pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])
 def test_intra_chunk_kda(C, K, V):
     """KDA's terms (sub-chunk products across sub-chunks, token by token within them; K in
-    column blocks at K = 128) equal the XLA twin's."""
+    column blocks at K = 128) equal the XLA twin's; recomputed from the kept T and attn,
+    they equal the forward's."""
     args = kda_chunks(C, K, V, "random")
     want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
     got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
     assert intra_channel.intra_chunk(*args, 0.3, interpret=True).inv is None
     assert_terms(got, want, 1e-5)
+    # the backward's terms from the kept T and attn are the forward's, bit for bit
+    again = intra_channel.recompute_terms(*args, 0.3, intra_channel.kept_for_terms(got),
+                                          interpret=True)
+    for name in got._fields:
+        if getattr(got, name) is not None:
+            np.testing.assert_array_equal(getattr(again, name), getattr(got, name), name)
 
 
 @pytest.mark.parametrize("gates", ["-30", "-1e3"])

@@ -87,10 +87,10 @@ class _DeltaRuleLayer(nnx.Module):
                 k.reshape(B, T, self.num_heads, self.head_k_dim),
                 v.reshape(B, T, self.num_v_heads, self.head_v_dim), beta.astype(x.dtype))
 
-    def _finish(self, op, x, q, k, v, g, beta, gate, cu_seqlens):
+    def _finish(self, op, x, q, k, v, g, beta, gate, cu_seqlens, **gate_kw):
         B, T, _ = x.shape
         o, _ = op(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-                  cp_axis=self.cp_axis, backend=self.backend)
+                  cp_axis=self.cp_axis, backend=self.backend, **gate_kw)
         if gate is None:
             o = self.o_norm(o)
         else:
@@ -157,12 +157,10 @@ class KimiDeltaAttention(_DeltaRuleLayer):
     def _forward(self, x, cu_seqlens):
         B, T, _ = x.shape
         q, k, v, beta = self._qkv_beta(x, cu_seqlens)
-        f = self.f_proj2(self.f_proj1(x)).astype(jnp.float32) + self.dt_bias[...]
-        f = f.reshape(B, T, self.num_v_heads, self.head_k_dim)
-        A = jnp.exp(self.A_log[...])[:, None]
-        if self.safe_gate:
-            g = self.lower_bound * jax.nn.sigmoid(A * f)
-        else:
-            g = -A * jax.nn.softplus(f)
+        f = self.f_proj2(self.f_proj1(x)).reshape(B, T, self.num_v_heads, self.head_k_dim)
         gate = self.g_proj2(self.g_proj1(x))
-        return self._finish(chunk_kda, x, q, k, v, g, beta, gate, cu_seqlens)
+        # the decay is computed inside the op from f, A_log and dt_bias
+        return self._finish(chunk_kda, x, q, k, v, f, beta, gate, cu_seqlens,
+                            use_gate_in_kernel=True, A_log=self.A_log[...],
+                            dt_bias=self.dt_bias[...], safe_gate=self.safe_gate,
+                            lower_bound=self.lower_bound if self.safe_gate else None)

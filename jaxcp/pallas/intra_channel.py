@@ -1,4 +1,7 @@
-"""Pallas (Triton-lowered) intra-chunk terms of KDA, one program per (chunk, batch, head).
+"""Pallas (Triton-lowered) intra-chunk terms of KDA: two kernels, each one program per
+(chunk, batch, head): the gated sums A and attn (``gated_sums``), then T = (I + A)^-1 and
+the tiles of the state recurrences (``wy_terms``). Split so that neither holds the other's
+tiles in registers; the backward reruns only the second, from the T the forward kept.
 
 Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``), in the
 chunk layout: q, k [NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, K] (natural-log
@@ -27,7 +30,7 @@ Every exponent is <= 0, so the terms are finite for any g <= 0. Then
     u = T diag(beta) v,   qg = scale q exp(G),   kd = k exp(G_C - G),   decay = exp(G_C).
 
 K and V are walked in blocks of ``ChunkBlocks.col_block`` columns; the sums over channels
-add up over the blocks.
+add up over the blocks. A and attn pass between the kernels in float32 ([C, C] per chunk).
 """
 from __future__ import annotations
 
@@ -84,40 +87,52 @@ def _column(x, j: int):
     return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1)
 
 
-_Refs = refs_type("_Refs", "q k v g beta w u qg kd attn decay", "inv")
+_SumsRefs = refs_type("_SumsRefs", "q k g beta a attn")
 
 
-def _intra_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
-    r = named(_Refs, names, refs)
+def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
+    """A = strict_lower(beta_i sum_d k_id k_jd E_ijd), attn = scale lower(sum_d q_id k_jd
+    E_ijd) of one (chunk, head)."""
+    r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
-    V = r.v.shape[-1]
-    bk, bv = blocks.cols(K), blocks.cols(V)
-    f32 = lambda x: x.astype(jnp.float32)
-    beta = f32(r.beta[...])
-
-    def channels(j):
-        cols = pl.ds(j * bk, bk)
-        g = f32(r.g[:, cols])
-        return cols, f32(r.q[:, cols]), f32(r.k[:, cols]), g, jnp.cumsum(g, axis=0)
-
+    bk = blocks.cols(K)
     a_kk = a_qk = jnp.zeros((C, C), jnp.float32)
     by_delta = (jnp.zeros((C, SUB_CHUNK), jnp.float32),) * 2
     qk_diagonal = jnp.zeros((C,), jnp.float32)          # j = i, decay 1
     for j in range(K // bk):
-        cols, q, k, g, G = channels(j)
+        cols = pl.ds(j * bk, bk)
+        q, k = _f32(r.q[:, cols]), _f32(r.k[:, cols])
+        G = jnp.cumsum(_f32(r.g[:, cols]), axis=0)
         a_kk, a_qk = _cross_sub_chunks(q, k, G, dots.plain, a_kk, a_qk)
         by_delta = _within_sub_chunks(q, k, r.k, r.g, cols, by_delta)
         qk_diagonal = qk_diagonal + jnp.sum(q * k, axis=1)
-    a_kk = _spread(by_delta[0], a_kk)
     a_qk = _spread(by_delta[1], a_qk) + jnp.where(iota((C, C), 0) == iota((C, C), 1),
                                                   qk_diagonal[:, None], 0.0)
     r.attn[...] = (a_qk * scale).astype(r.attn.dtype)
-    inv = unit_lower_inverse(beta[:, None] * a_kk, dots.plain)
+    r.a[...] = (_f32(r.beta[...])[:, None] * _spread(by_delta[0], a_kk)).astype(r.a.dtype)
+
+
+_TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay", "a inv_in inv")
+
+
+def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
+    """T = (I + A)^-1 (or the T given), then w, u, qg, kd, decay of one (chunk, head)."""
+    r = named(_TermsRefs, names, refs)
+    C, K = r.k.shape
+    V = r.v.shape[-1]
+    bk, bv = blocks.cols(K), blocks.cols(V)
+    beta = _f32(r.beta[...])
+    if r.a is not None:
+        inv = unit_lower_inverse(_f32(r.a[...]), dots.plain)
+    else:
+        inv = _f32(r.inv_in[...])
     if r.inv is not None:
         r.inv[...] = inv.astype(r.inv.dtype)
     inv_beta = inv * beta[None, :]
     for j in range(K // bk):
-        cols, q, k, g, G = channels(j)
+        cols = pl.ds(j * bk, bk)
+        q, k = _f32(r.q[:, cols]), _f32(r.k[:, cols])
+        G = jnp.cumsum(_f32(r.g[:, cols]), axis=0)
         # G_C as the cumsum's own last row, so that G_C - G is rounded as G is
         G_last = row_of(G, C - 1)
         eg = jnp.exp(G)
@@ -127,28 +142,64 @@ def _intra_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.decay[cols] = jnp.exp(G_last[0])
     for j in range(V // bv):
         cols = pl.ds(j * bv, bv)
-        r.u[:, cols] = dots.plain(inv_beta, f32(r.v[:, cols])).astype(r.u.dtype)
+        r.u[:, cols] = dots.plain(inv_beta, _f32(r.v[:, cols])).astype(r.u.dtype)
 
 
-def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
-                interpret: bool = False, precise: bool = True,
-                blocks: ChunkBlocks | None = None) -> ChunkTerms:
-    """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring).
-    q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta [NT, B, HV, C], chunk layout, C a
-    multiple of 16. precise: 3xTF32 products (fp32 inputs), else single TF32 products of the
-    fp32 factor tiles (bf16 inputs; see ``common.dots``). The terms are float32, as the jnp
-    twin's. blocks: the launch configuration (``ChunkBlocks.default`` if None)."""
-    NT, B, HV, C, K = k.shape
-    V = v.shape[-1]
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+def _check_chunk(C: int) -> None:
     if C % SUB_CHUNK:
         raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK} for the Pallas KDA "
                          f"kernels, got {C}")
+
+
+def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise: bool = True,
+               blocks: ChunkBlocks | None = None):
+    """(A, attn) [NT, B, HV, C, C] float32: A = strict_lower(beta_i sum_d k_id k_jd
+    exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
+    cumsum of g (module docstring). Shapes and precise as in ``intra_chunk``."""
+    NT, B, HV, C, K = k.shape
+    _check_chunk(C)
+    blocks = blocks or ChunkBlocks.default(K, q.dtype)
+    sp = chunk_specs(C, C)
+    ins = Operands()
+    for name, x in (("q", q), ("k", k), ("g", g)):
+        ins.add(name, sp.tile(K), x)
+    ins.add("beta", sp.vec, beta)
+
+    def outs(out, struct):
+        out.add("a", sp.tile(C), struct((NT, B, HV, C, C), jnp.float32))
+        out.add("attn", sp.tile(C), struct((NT, B, HV, C, C), jnp.float32))
+
+    res, _ = call(_sums_kernel, (NT, B, HV), ins, outs, name="kda_gated_sums",
+                  params=blocks.params(interpret), scale=scale,
+                  dots=make_dots(precise, interpret), blocks=blocks)
+    return res["a"], res["attn"]
+
+
+def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: bool = False,
+             interpret: bool = False, precise: bool = True,
+             blocks: ChunkBlocks | None = None) -> ChunkTerms:
+    """The terms but attn: T = (I + a)^-1 from ``gated_sums``'s a, or the inverse inv given
+    (exactly one of the two), then w, u, qg, kd, decay (module docstring); with_inverse also
+    returns T (a only). attn is left None."""
+    if (a is None) == (inv is None):
+        raise ValueError("wy_terms: give exactly one of a and inv")
+    NT, B, HV, C, K = k.shape
+    V = v.shape[-1]
+    _check_chunk(C)
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
     sp = chunk_specs(C, C)
     ins = Operands()
     for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V), ("g", g, K)):
         ins.add(name, sp.tile(d), x)
     ins.add("beta", sp.vec, beta)
+    if a is not None:
+        ins.add("a", sp.tile(C), a)
+    else:
+        ins.add("inv_in", sp.tile(C), inv)
     per_channel = pl.BlockSpec((None, None, None, K), lambda t, b, h: (t, b, h, 0))
 
     def outs(out, struct):
@@ -157,13 +208,39 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
         out.add("u", sp.tile(V), terms(C, V))
         out.add("qg", sp.tile(K), terms(C, K))
         out.add("kd", sp.tile(K), terms(C, K))
-        out.add("attn", sp.tile(C), terms(C, C))
         out.add("decay", per_channel, terms(K))
-        if with_inverse:
+        if with_inverse and a is not None:
             out.add("inv", sp.tile(C), terms(C, C))
 
-    res, _ = call(_intra_kernel, (NT, B, HV), ins, outs, name="kda_intra_chunk",
+    res, _ = call(_terms_kernel, (NT, B, HV), ins, outs, name="kda_wy_terms",
                   params=blocks.params(interpret), scale=scale,
                   dots=make_dots(precise, interpret), blocks=blocks)
     return ChunkTerms(w=res["w"], u=res["u"], qg=res["qg"], kd=res["kd"], decay=res["decay"],
-                      attn=res["attn"], inv=res.get("inv"))
+                      attn=None, inv=res.get("inv", inv))
+
+
+def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
+                interpret: bool = False, precise: bool = True,
+                blocks: ChunkBlocks | None = None) -> ChunkTerms:
+    """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
+    ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
+    [NT, B, HV, C], chunk layout, C a multiple of 16. precise: 3xTF32 products (fp32
+    inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
+    ``common.dots``). The terms are float32, as the jnp twin's. blocks: the launch
+    configuration (``ChunkBlocks.default`` if None)."""
+    kw = dict(interpret=interpret, precise=precise, blocks=blocks)
+    a, attn = gated_sums(q, k, g, beta, scale, **kw)
+    terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, **kw)
+    return terms._replace(attn=attn)
+
+
+def kept_for_terms(terms: ChunkTerms):
+    """What the forward keeps for ``recompute_terms``: T and attn."""
+    return terms.inv, terms.attn
+
+
+def recompute_terms(q, k, v, g, beta, scale: float, kept, **kw) -> ChunkTerms:
+    """The terms with the inverse again from the kept (T, attn): w, u, qg, kd and decay by
+    ``wy_terms`` from T, without the gated sums. kw as in ``intra_chunk``."""
+    inv, attn = kept
+    return wy_terms(q, k, v, g, beta, scale, inv=inv, **kw)._replace(attn=attn)
