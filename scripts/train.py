@@ -4,6 +4,14 @@
     python scripts/train.py --mesh data=2,seq=4 --seq-len 65536 --layers gdn,gdn,gdn,attn
     python scripts/train.py --data notes.txt                 # byte-level LM on a text file
     python scripts/train.py --run-dir runs/a --resume        # continue from the last checkpoint
+    python scripts/train.py --mesh data=2,seq=8 --coordinator host0:1234 --num-processes 2 --process-id I
+
+Several processes (hosts) train one run with jax.distributed: start the same command on each,
+with its --process-id (or, under SLURM / Open MPI, without the three flags: the cluster is read
+from the environment). The mesh spans every process's devices; each process places only its
+shards of a batch, built from the same per-step seed, so N processes train exactly the run one
+process with all the devices would. Process 0 alone prints and writes the files below;
+checkpoints are written and restored by all.
 
 On a machine without GPUs it creates as many fake CPU devices as the mesh needs. Writes into
 --run-dir: config.json at the start (the command, the parsed flags, the GDN/KDA backend that
@@ -65,6 +73,8 @@ def parse_args(argv=None):
                     help="compute dtype (parameters stay float32)")
     ap.add_argument("--backend", default=None, choices=["xla", "pallas", "interpret"],
                     help="GDN/KDA backend (default: the library's)")
+    ap.add_argument("--remat", default="none", choices=["none", "block", "mixer"],
+                    help="recompute in the backward: each block or each mixer (jax.checkpoint)")
     ap.add_argument("--attn-block", type=int, default=1024,
                     help="attention query/key block size (tokens)")
     ap.add_argument("--data", default=None, help="train a byte-level LM on this text file")
@@ -73,6 +83,12 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=50, help="0: no eval")
     ap.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--coordinator", default=None,
+                    help="HOST:PORT of process 0's coordination service (several processes)")
+    ap.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    ap.add_argument("--process-id", type=int, default=None, help="this process's index")
+    ap.add_argument("--init-timeout", type=int, default=60,
+                    help="seconds to wait for the coordinator and the other processes")
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "seq_len", "hidden", "heads", "head_dim", "vocab",
                  "attn_block"):
@@ -84,6 +100,7 @@ def parse_args(argv=None):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     data, seq = args.mesh
+    _check_cluster_flags(ap, args, data * seq)
     if args.batch % data:
         ap.error(f"--batch {args.batch} must be divisible by the data axis {data}")
     if args.seq_len % seq:
@@ -97,6 +114,27 @@ def parse_args(argv=None):
     elif not 1 <= args.pairs <= args.seq_len // 4:
         ap.error(f"--pairs must be in [1, seq_len / 4 = {args.seq_len // 4}]")
     return args, ap
+
+
+def _check_cluster_flags(ap, args, n_devices: int) -> None:
+    given = [f for f in ("coordinator", "num_processes", "process_id")
+             if getattr(args, f) is not None]
+    if args.init_timeout <= 0:
+        ap.error("--init-timeout must be positive")
+    if not given:
+        return
+    if len(given) != 3:
+        ap.error("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes < 1:
+        ap.error("--num-processes must be positive")
+    if not 0 <= args.process_id < args.num_processes:
+        ap.error(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        ap.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    if n_devices % args.num_processes:
+        ap.error(f"--mesh has {n_devices} devices, not a multiple of --num-processes "
+                 f"{args.num_processes}")
 
 
 def peak_memory_gib(devices) -> float | None:
@@ -120,10 +158,30 @@ def main(argv=None) -> int:
     args, ap = parse_args(argv)
     data, seq = args.mesh
     env = {k: os.environ[k] for k in ENV_RECORDED if k in os.environ}
-    if shutil.which("nvidia-smi") is None:
+    from jaxcp.train import cluster as cl
+    cluster = cl.Cluster.from_environment(args.coordinator, args.num_processes,
+                                          args.process_id, args.init_timeout)
+    on_cpu = shutil.which("nvidia-smi") is None
+    if on_cpu and not cluster.distributed:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={data * seq}")
+    if (cluster.coordinator is not None and cluster.process_id != 0
+            and not cl.coordinator_reachable(cluster.coordinator, args.init_timeout)):
+        ap.error(f"--coordinator {cluster.coordinator}: not reachable within "
+                 f"{args.init_timeout} s (--init-timeout)")
+    try:
+        cl.start(cluster, data * seq // cluster.num_processes if on_cpu else None)
+    except Exception as e:      # the runtime's own errors: one line, exit 2
+        ap.error(f"jax.distributed did not start: {type(e).__name__}: {str(e).splitlines()[0]}")
+    try:
+        return _train(args, ap, argv, env, cluster)
+    finally:
+        cl.stop(cluster)
+
+
+def _train(args, ap, argv, env, cluster) -> int:
+    data, seq = args.mesh
     import numpy as np
     import jax
     import jax.numpy as jnp
@@ -133,16 +191,27 @@ def main(argv=None) -> int:
 
     from jaxcp.models import LM
     from jaxcp.stages import resolve_backend
+    from jax.sharding import PartitionSpec as P
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
-                             replicate, shard_batch)
+                             replicate)
+    from jaxcp.train.cluster import global_batch, local_value
+    from jaxcp.train.step import AXES
+
+    main_process = jax.process_index() == 0
+    shard_batch = lambda batch, mesh: global_batch(
+        Batch(*(np.asarray(x) for x in batch)), mesh, P(*AXES))
 
     if len(jax.devices()) < data * seq:
         ap.error(f"--mesh needs {data * seq} devices, {len(jax.devices())} present")
+    if cluster.distributed and jax.device_count() != data * seq:
+        ap.error(f"--mesh has {data * seq} devices; the {jax.process_count()} processes have "
+                 f"{jax.device_count()} together")
     mesh = Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
     try:
         model = LM(args.vocab, args.hidden, args.layers, args.heads, args.head_dim,
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
-                   attn_block_size=args.attn_block, rngs=nnx.Rngs(args.seed))
+                   attn_block_size=args.attn_block, remat=args.remat,
+                   rngs=nnx.Rngs(args.seed))
     except ValueError as e:
         ap.error(str(e))
     graph, params = nnx.split(model)
@@ -171,15 +240,18 @@ def main(argv=None) -> int:
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     devices = mesh.devices.flatten().tolist()
+    local_devices = [d for d in devices if d.process_index == jax.process_index()]
     config = dict(command=shlex.join(["python", "scripts/train.py", *argv]), argv=argv, env=env,
                   args={k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
                   backend=resolve_backend(args.backend), n_devices=len(devices),
                   platform=devices[0].platform, device_kind=devices[0].device_kind, jax_version=jax.__version__)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    config.update(process_count=jax.process_count())
     summary_path = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary_path):
-        os.remove(summary_path)
+    if main_process:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        if os.path.exists(summary_path):
+            os.remove(summary_path)
     ckpt = None
     if args.ckpt_every > 0 or args.resume:
         ckpt = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
@@ -198,7 +270,7 @@ def main(argv=None) -> int:
             ap.error(f"--resume: the checkpoint is at step {start}, --steps {args.steps} "
                      "leaves nothing to do")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if not args.resume and os.path.exists(metrics_path):
+    if main_process and not args.resume and os.path.exists(metrics_path):
         os.remove(metrics_path)
 
     base = jax.random.key(args.seed)
@@ -212,10 +284,11 @@ def main(argv=None) -> int:
         batch = jax.block_until_ready(shard_batch(batch_at(jax.random.fold_in(base, step)), mesh))
         t0 = time.perf_counter()
         params, opt_state, loss, _ = jax.block_until_ready(step_fn(params, opt_state, batch))
-        loss = float(loss)
+        loss = float(local_value(loss))
         if not math.isfinite(loss):
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(dict(step=step, loss=loss, eval_accuracy=None)) + "\n")
+            if main_process:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(dict(step=step, loss=loss, eval_accuracy=None)) + "\n")
             if ckpt is not None:
                 ckpt.wait_until_finished()
             print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
@@ -227,22 +300,25 @@ def main(argv=None) -> int:
             eval_acc = None
             if args.eval_every > 0:
                 _, acc = eval_fn(params, shard_batch(batch_at(eval_key), mesh))
-                eval_acc = round(float(acc), 4)
+                eval_acc = round(float(local_value(acc)), 4)
             record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
                           **speed(recent, tokens_per_step, len(devices)),
-                          peak_mem_gib=peak_memory_gib(devices),
+                          peak_mem_gib=peak_memory_gib(local_devices),
                           elapsed_s=round(time.perf_counter() - t_start, 1))
             recent = []
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            _progress(record, args.steps)
+            if main_process:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                _progress(record, args.steps)
         if args.ckpt_every > 0 and every(args.ckpt_every, step):
             ckpt.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     if ckpt is not None:
         ckpt.wait_until_finished()
+    if not main_process:
+        return 0
     _plot(metrics_path, os.path.join(run_dir, "curves.png"))
     summary = dict(record, **speed(all_times, tokens_per_step, len(devices)),
-                   timed_steps=len(all_times), peak_mem_gib=peak_memory_gib(devices),
+                   timed_steps=len(all_times), peak_mem_gib=peak_memory_gib(local_devices),
                    elapsed_s=round(time.perf_counter() - t_start, 1))
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)

@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxcp.models import LM
-from jaxcp.train import make_optimizer, make_train_step, mqar_batch, replicate, shard_batch
+from jaxcp.train import (make_loss, make_optimizer, make_train_step, mqar_batch, replicate,
+                         shard_batch)
 from helpers import TOL, assert_rel
 
 VOCAB = 32
@@ -129,3 +130,26 @@ def test_train_script_bad_flags(args, message):
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_remat_keeps_loss_and_gradients():
+    """Recomputing each block, or each mixer, in the backward gives the loss and gradients
+    of keeping everything, under CP on 2 devices with GDN, KDA and attention blocks."""
+    mesh = mesh_of(1, 2)
+    batch = shard_batch(mqar_batch(jax.random.key(0), 2, 32, VOCAB, 4), mesh)
+
+    def value_and_grads(remat):
+        model = LM(VOCAB, 32, "gdn,kda,attn", 2, 16, 64, cp_axis="seq", remat=remat,
+                   rngs=nnx.Rngs(0))
+        graph, params = nnx.split(model)
+        loss = make_loss(graph, mesh)
+        return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]))(
+            replicate(params, mesh), batch)
+
+    value_ref, grads_ref = value_and_grads("none")
+    for remat in ("block", "mixer"):
+        value, grads = value_and_grads(remat)
+        assert_rel(value, value_ref, 1e-5, f"loss, remat={remat}")
+        for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                     jax.tree_util.tree_leaves_with_path(grads_ref)):
+            assert_rel(a, b, 1e-5, f"d{jax.tree_util.keystr(path)}, remat={remat}")

@@ -11,6 +11,11 @@ from jaxcp.models.layers import GatedDeltaNet, KimiDeltaAttention
 from jaxcp.models.norm import RMSNorm
 
 MIXERS = ("gdn", "kda", "attn")
+REMAT = ("none", "block", "mixer")
+
+
+def _call(module, *args):
+    return module(*args)
 
 
 class SwiGLU(nnx.Module):
@@ -31,7 +36,8 @@ class Block(nnx.Module):
 
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int,
                  intermediate_size: int, cp_axis: str | None, backend: str | None,
-                 attn_block_size: int, *, rngs: nnx.Rngs):
+                 attn_block_size: int, remat_mixer: bool = False, *, rngs: nnx.Rngs):
+        self.remat_mixer = remat_mixer
         self.mixer_norm = RMSNorm(hidden_size)
         if kind == "gdn":
             self.mixer = GatedDeltaNet(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
@@ -47,7 +53,8 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(hidden_size, intermediate_size, rngs=rngs)
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None) -> jax.Array:
-        x = x + self.mixer(self.mixer_norm(x), cu_seqlens)
+        mixer = nnx.remat(_call) if self.remat_mixer else _call
+        x = x + mixer(self.mixer, self.mixer_norm(x), cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -56,12 +63,18 @@ class LM(nnx.Module):
 
     layer_pattern: comma-separated mixers from MIXERS, one per block ("gdn,gdn,gdn,attn").
     backend: the GDN/KDA ops' backend (None: the library default); attn_block_size: the
-    attention layers' query/key block (CausalSelfAttention's block_size)."""
+    attention layers' query/key block (CausalSelfAttention's block_size). remat: what the
+    backward recomputes instead of keeping (``jax.checkpoint``, keeping nothing inside):
+    "none", "block" (each block keeps only its input) or "mixer" (each mixer keeps only its
+    input; the MLPs keep theirs)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
                  head_dim: int, intermediate_size: int | None = None,
                  cp_axis: str | None = None, backend: str | None = None,
-                 attn_block_size: int = 1024, *, rngs: nnx.Rngs):
+                 attn_block_size: int = 1024, remat: str = "none", *, rngs: nnx.Rngs):
+        if remat not in REMAT:
+            raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
+        self.remat = remat
         kinds = [k.strip() for k in layer_pattern.split(",") if k.strip()]
         bad = [k for k in kinds if k not in MIXERS]
         if not kinds or bad:
@@ -69,7 +82,8 @@ class LM(nnx.Module):
         self.embed = nnx.Embed(vocab_size, hidden_size, rngs=rngs)
         self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
                                       intermediate_size or 4 * hidden_size, cp_axis, backend,
-                                      attn_block_size, rngs=rngs) for kind in kinds])
+                                      attn_block_size, remat == "mixer", rngs=rngs)
+                                for kind in kinds])
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
 
@@ -77,6 +91,7 @@ class LM(nnx.Module):
         # nnx.Embed returns float32 whatever its table's dtype: compute in the table's dtype
         # (bf16 when the train step casts the parameters for bf16 compute)
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
+        call = nnx.remat(_call) if self.remat == "block" else _call
         for block in self.blocks:
-            x = block(x, cu_seqlens)
+            x = call(block, x, cu_seqlens)
         return self.head(self.norm(x)).astype(jnp.float32)
