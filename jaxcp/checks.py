@@ -116,9 +116,9 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
     return world
 
 
-def check_channel_gate(q, v, g, *, use_gate_in_kernel, A_log, dt_bias, safe_gate,
-                       lower_bound) -> None:
-    """Validate chunk_kda's gate arguments (FLA's contract; see ``gate.channel_gate``) before
+def check_gate_activation(gate: Gate, q, v, g, *, use_gate_in_kernel, A_log, dt_bias,
+                          safe_gate=False, lower_bound=None) -> None:
+    """Validate the gate arguments of an op (FLA's contract; ``gate.decay_from_raw``) before
     the gate is applied; ``check_inputs`` checks q, v and the decay after."""
     if not isinstance(use_gate_in_kernel, bool):
         raise TypeError(f"use_gate_in_kernel must be a bool, got {use_gate_in_kernel!r}")
@@ -136,14 +136,16 @@ def check_channel_gate(q, v, g, *, use_gate_in_kernel, A_log, dt_bias, safe_gate
         return
     _check_array("q", q, "[B, T, H, K]")
     _check_array("v", v, "[B, T, HV, V]")
-    _check_array("g", g, Gate.CHANNEL.dims())
+    _check_array("g", g, gate.dims())
     HV, K = v.shape[2], q.shape[3]
-    if tuple(g.shape) != (*v.shape[:3], K):
-        raise ValueError(f"g must have shape {(*v.shape[:3], K)}, got {tuple(g.shape)}")
+    g_shape = gate.shape(*v.shape[:3], K)
+    if tuple(g.shape) != g_shape:
+        raise ValueError(f"g must have shape {g_shape}, got {tuple(g.shape)}")
     if A_log is None and lower_bound is None:
-        raise ValueError("A_log [HV] is needed with use_gate_in_kernel=True unless lower_bound "
-                         "is set")
-    for name, x, shape in (("A_log", A_log, (HV,)), ("dt_bias", dt_bias, (HV * K,))):
+        raise ValueError("A_log [HV] is needed with use_gate_in_kernel=True"
+                         + (" unless lower_bound is set" if gate is Gate.CHANNEL else ""))
+    for name, x, shape in (("A_log", A_log, (HV,)),
+                           ("dt_bias", dt_bias, (HV * gate.width(K),))):
         if x is None:
             continue
         if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):

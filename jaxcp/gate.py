@@ -1,6 +1,5 @@
 """The kind of decay gate of a delta-rule variant: one value from the public op to the kernels;
-and KDA's gate activation (``channel_gate``), which ``chunk_kda(use_gate_in_kernel=True)``
-applies inside the op.
+and the gate activation (``decay_from_raw``) that the ops apply with use_gate_in_kernel=True.
 
 Per value head and token t, the state S [K, V] decays before the delta-rule update:
 
@@ -36,21 +35,25 @@ class Gate(enum.Enum):
         return (B, T, HV) if self is Gate.SCALAR else (B, T, HV, K)
 
 
-def channel_gate(g_raw: jax.Array, A_log: jax.Array | None, dt_bias: jax.Array | None,
-                 lower_bound: float | None) -> jax.Array:
-    """KDA's decay from the raw gate input, float32 [B, T, HV, K] (FLA's contract):
+def decay_from_raw(gate: Gate, g_raw: jax.Array, A_log: jax.Array | None,
+                   dt_bias: jax.Array | None, lower_bound: float | None = None) -> jax.Array:
+    """The decay from the raw gate input, float32 in g_raw's shape (FLA's contract for
+    ``use_gate_in_kernel``):
 
         g = -exp(A_log) * softplus(g_raw + dt_bias)                (lower_bound None)
-        g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))  (lower_bound < 0; without
-                                                                   A_log: of g_raw + dt_bias)
+        g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))  (KDA, lower_bound < 0;
+                                                                   without A_log: of g_raw + dt_bias)
 
-    g_raw [B, T, HV, K]; A_log [HV] (per value head); dt_bias [HV * K] or None. The first
-    form is in (-inf, 0), the second in (lower_bound, 0)."""
-    HV, K = g_raw.shape[-2:]
+    g_raw: ``gate.dims()``, [B, T, HV] or [B, T, HV, K]; A_log [HV] (per value head);
+    dt_bias [HV] (scalar gate) or [HV * K] (per-channel gate), or None. The first form is in
+    (-inf, 0), the second in (lower_bound, 0)."""
     x = g_raw.astype(jnp.float32)
+    per_head = (lambda p: p) if gate is Gate.SCALAR else (lambda p: p.reshape(x.shape[-2], -1))
     if dt_bias is not None:
-        x = x + dt_bias.astype(jnp.float32).reshape(HV, K)
-    a = None if A_log is None else jnp.exp(A_log.astype(jnp.float32))[:, None]
+        x = x + per_head(dt_bias.astype(jnp.float32))
+    a = None if A_log is None else jnp.exp(A_log.astype(jnp.float32))
+    if a is not None and gate is Gate.CHANNEL:
+        a = a[:, None]
     if lower_bound is None:
         return -a * jax.nn.softplus(x)
     return lower_bound * jax.nn.sigmoid(x if a is None else a * x)

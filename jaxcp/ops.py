@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcp.checks import check_channel_gate, check_inputs
+from jaxcp.checks import check_gate_activation, check_inputs
 from jaxcp.cp.all_to_all import head_all_to_all
 from jaxcp.core import CoreConfig, chunk_delta_rule
-from jaxcp.gate import Gate, channel_gate
+from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.stages import implementation, resolve_backend
@@ -107,9 +107,15 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
                            beta: jax.Array, *, scale: float | None = None,
                            initial_state: jax.Array | None = None,
                            output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
-                           use_qk_l2norm_in_kernel: bool = False, cp_axis: str | None = None,
+                           use_qk_l2norm_in_kernel: bool = False,
+                           use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
+                           dt_bias: jax.Array | None = None, cp_axis: str | None = None,
                            cp_strategy: str = "allgather", chunk_size: int = 64,
                            backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+    check_gate_activation(Gate.SCALAR, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
+                          A_log=A_log, dt_bias=dt_bias)
+    if use_gate_in_kernel:
+        g = decay_from_raw(Gate.SCALAR, g, A_log, dt_bias)
     return _chunk_op(Gate.SCALAR, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
@@ -124,21 +130,29 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
               safe_gate: bool = False, lower_bound: float | None = None,
               cp_axis: str | None = None, cp_strategy: str = "allgather", chunk_size: int = 64,
               backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
-    check_channel_gate(q, v, g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-                       dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound)
+    check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
+                          A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
+                          lower_bound=lower_bound)
     if use_gate_in_kernel:
-        g = channel_gate(g, A_log, dt_bias, lower_bound)
+        g = decay_from_raw(Gate.CHANNEL, g, A_log, dt_bias, lower_bound)
     return _chunk_op(Gate.CHANNEL, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
 
 
+_GDN_GATE_DOC = """
+    The gate, as FLA's ``chunk_gated_delta_rule`` takes it:
+      use_gate_in_kernel: g is the raw gate input, and the op computes the decay
+        -exp(A_log) * softplus(g + dt_bias) (``jaxcp.gate.decay_from_raw``), differentiating
+        A_log and dt_bias too; A_log, dt_bias: [HV] (dt_bias may be None).
+"""
+
 _KDA_GATE_DOC = """
     KDA's gate, as FLA's ``chunk_kda`` takes it:
       use_gate_in_kernel: g is the raw gate input, and the op computes the decay
         -exp(A_log) * softplus(g + dt_bias), or with lower_bound
-        lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (``jaxcp.gate.channel_gate``),
+        lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (``jaxcp.gate.decay_from_raw``),
         differentiating A_log and dt_bias too. It is elementwise and applied inside the op,
         just before the tokens are laid out in chunks (a pass the op makes anyway), so the
         caller holds no float32 decay tensor of its own.
@@ -152,7 +166,8 @@ _KDA_GATE_DOC = """
 
 chunk_gated_delta_rule.__doc__ = _DOC.format(
     title="Chunked Gated DeltaNet (scalar gate per head and token).",
-    name="chunk_gated_delta_rule", decay="S <- S * exp(g_t)", g_shape=Gate.SCALAR.dims())
+    name="chunk_gated_delta_rule", decay="S <- S * exp(g_t)",
+    g_shape=Gate.SCALAR.dims()) + _GDN_GATE_DOC
 chunk_kda.__doc__ = _DOC.format(
     title="Chunked Kimi Delta Attention (per-channel gate).", name="chunk_kda",
     decay="S <- Diag(exp(g_t)) S   (row d of S scaled by exp(g_t[d]))",

@@ -168,7 +168,10 @@ def test_memory_is_linear_and_has_no_per_token_state(kind):
 
 
 def _fla_gate(g_raw, A_log, dt_bias, lower_bound):
-    """FLA's two gate forms, written out here for the test."""
+    """FLA's gate forms, written out here for the test: dt_bias per head (GDN, g [B, T, HV])
+    or per head and channel (KDA, g [B, T, HV, K])."""
+    if g_raw.ndim == 3:
+        return -jnp.exp(A_log) * jnp.log1p(jnp.exp(g_raw + dt_bias))
     HV, K = g_raw.shape[-2:]
     x = g_raw + dt_bias.reshape(HV, K)
     if lower_bound is None:
@@ -176,17 +179,20 @@ def _fla_gate(g_raw, A_log, dt_bias, lower_bound):
     return lower_bound * (1.0 / (1.0 + jnp.exp(-jnp.exp(A_log)[:, None] * x)))
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_kda_gate_in_kernel(backend, lower_bound):
+@pytest.mark.parametrize("kind, backend, lower_bound", [
+    ("gdn", "xla", None), ("gdn", "interpret", None), ("kda", "xla", None),
+    ("kda", "interpret", None), ("kda", "xla", -5.0), ("kda", "interpret", -5.0)])
+def test_gate_in_kernel(kind, backend, lower_bound):
     """use_gate_in_kernel: the op computes the decay from the raw gate, A_log and dt_bias
-    (FLA's two forms) and differentiates all three; it equals the token reference on the
-    gate computed outside, gradients through the gate included."""
-    q, k, v, g_raw, beta, h0 = make_inputs("kda", 1, 70, 2, 2, 16, 16, n_states=1)
+    (FLA's forms) and differentiates all three; it equals the token reference on the gate
+    computed outside, gradients through the gate included."""
+    q, k, v, g_raw, beta, h0 = make_inputs(kind, 1, 70, 2, 2, 16, 16, n_states=1)
     keys = jax.random.split(jax.random.key(3), 2)
     A_log = jax.random.normal(keys[0], (2,)) * 0.5
-    dt_bias = jax.random.normal(keys[1], (2 * 16,)) * 0.5
+    dt_bias = jax.random.normal(keys[1], (2 * (16 if kind == "kda" else 1),)) * 0.5
     wo, wf = cotangents(v.shape, h0.shape)
+    op, ref = OPS[kind]
+    extra = {} if kind == "gdn" else dict(lower_bound=lower_bound)
 
     def value_and_grads_of(call):
         def loss(*args):
@@ -195,13 +201,12 @@ def test_kda_gate_in_kernel(backend, lower_bound):
         return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))(
             q, k, v, g_raw, beta, A_log, dt_bias)
 
-    value, grads = value_and_grads_of(lambda q, k, v, g, beta, A_log, dt_bias: jaxcp.chunk_kda(
+    value, grads = value_and_grads_of(lambda q, k, v, g, beta, A_log, dt_bias: op(
         q, k, v, g, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, backend=backend))
-    ref_value, ref_grads = value_and_grads_of(
-        lambda q, k, v, g, beta, A_log, dt_bias: jaxcp.kda_reference(
-            q, k, v, _fla_gate(g, A_log, dt_bias, lower_bound), beta, initial_state=h0,
-            output_final_state=True))
+        A_log=A_log, dt_bias=dt_bias, backend=backend, **extra))
+    ref_value, ref_grads = value_and_grads_of(lambda q, k, v, g, beta, A_log, dt_bias: ref(
+        q, k, v, _fla_gate(g, A_log, dt_bias, lower_bound), beta, initial_state=h0,
+        output_final_state=True))
     assert_rel(value, ref_value, 1e-4, "loss")
     for name, a, b in zip(("dq", "dk", "dv", "dg_raw", "dbeta", "dA_log", "ddt_bias"),
                           grads, ref_grads):

@@ -62,6 +62,18 @@ def test_kda_gate_arguments(kw, exc, match):
         jaxcp.chunk_kda(q, k, v, g, beta, **kw)
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(dt_bias=jnp.zeros(1)), ValueError, "dt_bias is read only with use_gate_in_kernel"),
+    (dict(use_gate_in_kernel=True), ValueError, "A_log"),
+    (dict(use_gate_in_kernel=True, A_log=jnp.zeros(1), dt_bias=jnp.zeros(16)), ValueError,
+     r"dt_bias must have shape \(1,\)"),
+])
+def test_gdn_gate_arguments(kw, exc, match):
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 32, 1, 1, 16, 16)
+    with pytest.raises(exc, match=match):
+        jaxcp.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+
+
 def test_head_dim_not_supported():
     q, k, v, g, beta, _ = make_inputs("gdn", 1, 8, 1, 1, 16, 16)
     q = k = jnp.zeros((1, 8, 1, 48))

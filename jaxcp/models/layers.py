@@ -120,10 +120,11 @@ class GatedDeltaNet(_DeltaRuleLayer):
 
     def _forward(self, x, cu_seqlens):
         q, k, v, beta = self._qkv_beta(x, cu_seqlens)
-        a = self.a_proj(x).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         gate = None if self.g_proj is None else self.g_proj(x)
-        return self._finish(chunk_gated_delta_rule, x, q, k, v, g, beta, gate, cu_seqlens)
+        # the decay is computed inside the op from a_proj(x), A_log and dt_bias
+        return self._finish(chunk_gated_delta_rule, x, q, k, v, self.a_proj(x), beta, gate,
+                            cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log[...],
+                            dt_bias=self.dt_bias[...])
 
 
 class KimiDeltaAttention(_DeltaRuleLayer):
