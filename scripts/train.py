@@ -187,11 +187,10 @@ def _train(args, ap, argv, env, cluster) -> int:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, PartitionSpec as P
 
     from jaxcp.models import LM
     from jaxcp.stages import resolve_backend
-    from jax.sharding import PartitionSpec as P
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
                              replicate)
     from jaxcp.train.cluster import global_batch, local_value

@@ -20,8 +20,9 @@ SLURM_OR_MPI = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 class Cluster:
     """coordinator: "host:port" of process 0's coordination service (None: one process, or
     let ``jax.distributed`` read the cluster from SLURM / Open MPI, ``auto``);
-    num_processes, process_id: this run's processes and this one's index; timeout_s: how
-    long a process waits for the others to join."""
+    num_processes, process_id: this run's processes (under auto, the environment's task
+    count) and this one's index; timeout_s: how long a process waits for the others to
+    join."""
     coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
@@ -38,7 +39,7 @@ class Cluster:
         than one task is detected by ``jax.distributed`` itself (auto)."""
         if coordinator is None and num_processes is None and process_id is None:
             tasks = max(int(os.environ.get(v, "1") or 1) for v in SLURM_OR_MPI)
-            return cls(timeout_s=timeout_s, auto=tasks > 1)
+            return cls(num_processes=tasks, timeout_s=timeout_s, auto=tasks > 1)
         return cls(coordinator, num_processes or 1, process_id or 0, timeout_s)
 
 
