@@ -155,8 +155,8 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 
     # The state recurrences keep KDA's terms in float32 (3xTF32 products) for every input
     # dtype. GDN's kd and qg reach them as the bf16 inputs times fp32 row factors, exact;
-    # KDA's are rounded products, and with correlated keys the rounding of w, kd, u, qg and
-    # attn to bf16 each moves o by ~1e-2 (measured: docs/precision.md).
+    # KDA's are rounded products, and with correlated keys w, kd, u, qg and attn rounded to
+    # bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32 (docs/precision.md).
     state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False)
     return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)

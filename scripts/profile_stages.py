@@ -49,7 +49,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import jaxcp
-    from jaxcp.bench.timing import forward_backward, median_ms
+    from jaxcp.bench.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
@@ -78,18 +78,11 @@ def main(argv=None):
     def timed(name, fn, *xs):
         if name.startswith("variant"):     # a variant that cannot compile is reported, not fatal
             try:
-                return _timed(name, fn, *xs)
+                return _timed(rows, args.iters, name, fn, *xs)
             except Exception as e:
                 print(f"{name:44} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 return None
-        return _timed(name, fn, *xs)
-
-    def _timed(name, fn, *xs):
-        fn = jax.jit(fn)
-        ms = median_ms(fn, *xs, iters=args.iters, warmup=0)
-        rows.append((name, ms))
-        print(f"{name:44} {ms:9.3f} ms", flush=True)
-        return fn(*xs)
+        return _timed(rows, args.iters, name, fn, *xs)
 
     raw_q, raw_k = q, k
     norm_inside = implementation("pallas", Gate.SCALAR).normalizes_qk(D)
@@ -158,6 +151,17 @@ def main(argv=None):
     _table(rows, T, H, D)
 
 
+def _timed(rows, iters, name, fn, *xs):
+    """Jit fn, append (name, median ms over iters calls) to rows, print it, return fn(*xs)."""
+    import jax
+    from jaxcp.bench.timing import median_ms
+    fn = jax.jit(fn)
+    ms = median_ms(fn, *xs, iters=iters, warmup=0)
+    rows.append((name, ms))
+    print(f"{name:44} {ms:9.3f} ms", flush=True)
+    return fn(*xs)
+
+
 def _table(rows, T, H, D):
     import jax
     print(f"\ndevice={jax.devices()[0].device_kind} jax={jax.__version__} T={T} H={H} D={D}")
@@ -173,7 +177,7 @@ def _profile_kda(args, cu):
     import jax
     import jax.numpy as jnp
     import jaxcp
-    from jaxcp.bench.timing import forward_backward, median_ms
+    from jaxcp.bench.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
@@ -194,13 +198,7 @@ def _profile_kda(args, cu):
     NT = num_chunks(T, C, None if cu is None else len(cu) - 1)
     scale = D ** -0.5
     rows = []
-
-    def timed(name, fn, *xs):
-        fn = jax.jit(fn)
-        ms = median_ms(fn, *xs, iters=args.iters, warmup=0)
-        rows.append((name, ms))
-        print(f"{name:44} {ms:9.3f} ms", flush=True)
-        return fn(*xs)
+    timed = partial(_timed, rows, args.iters)
 
     def chunked(q, k, v, g, beta):
         f32 = lambda x: x.astype(jnp.float32)

@@ -162,10 +162,6 @@ def main(argv=None) -> int:
     cluster = cl.Cluster.from_environment(args.coordinator, args.num_processes,
                                           args.process_id, args.init_timeout)
     on_cpu = shutil.which("nvidia-smi") is None
-    if on_cpu and not cluster.distributed:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={data * seq}")
     if (cluster.coordinator is not None and cluster.process_id != 0
             and not cl.coordinator_reachable(cluster.coordinator, args.init_timeout)):
         ap.error(f"--coordinator {cluster.coordinator}: not reachable within "
@@ -197,8 +193,6 @@ def _train(args, ap, argv, env, cluster) -> int:
     from jaxcp.train.step import AXES
 
     main_process = jax.process_index() == 0
-    shard_batch = lambda batch, mesh: global_batch(
-        Batch(*(np.asarray(x) for x in batch)), mesh, P(*AXES))
 
     if len(jax.devices()) < data * seq:
         ap.error(f"--mesh needs {data * seq} devices, {len(jax.devices())} present")
@@ -206,6 +200,9 @@ def _train(args, ap, argv, env, cluster) -> int:
         ap.error(f"--mesh has {data * seq} devices; the {jax.process_count()} processes have "
                  f"{jax.device_count()} together")
     mesh = Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
+    # the same host batch on every process; each places only its own shards
+    place_batch = lambda batch: global_batch(Batch(*(np.asarray(x) for x in batch)), mesh,
+                                             P(*AXES))
     try:
         model = LM(args.vocab, args.hidden, args.layers, args.heads, args.head_dim,
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
@@ -280,7 +277,7 @@ def _train(args, ap, argv, env, cluster) -> int:
     all_times, recent = [], []
     t_start = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
-        batch = jax.block_until_ready(shard_batch(batch_at(jax.random.fold_in(base, step)), mesh))
+        batch = jax.block_until_ready(place_batch(batch_at(jax.random.fold_in(base, step))))
         t0 = time.perf_counter()
         params, opt_state, loss, _ = jax.block_until_ready(step_fn(params, opt_state, batch))
         loss = float(local_value(loss))
@@ -298,7 +295,7 @@ def _train(args, ap, argv, env, cluster) -> int:
         if every(args.eval_every, step):
             eval_acc = None
             if args.eval_every > 0:
-                _, acc = eval_fn(params, shard_batch(batch_at(eval_key), mesh))
+                _, acc = eval_fn(params, place_batch(batch_at(eval_key)))
                 eval_acc = round(float(local_value(acc)), 4)
             record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
                           **speed(recent, tokens_per_step, len(devices)),

@@ -240,15 +240,8 @@ def kda_grads_inputs(C, K, V, gates):
 def float64_chunk_grads(args, rest):
     """xla.chunk_grads for the per-channel gate, in float64 throughout."""
     with jax.enable_x64():
-        q, k, v, g, beta = (x.astype(jnp.float64) for x in args)
-        h, v_new, x, dvn, do = (a.astype(jnp.float64) for a in rest)
-        e = xla.intra.einsum
-        d_terms = xla.ChunkTerms(
-            w=-e("...cv,...kv->...ck", dvn, h), u=dvn, qg=e("...cv,...kv->...ck", do, h),
-            kd=e("...cv,...kv->...ck", v_new, x), decay=jnp.sum(h * x, axis=-1),
-            attn=e("...iv,...jv->...ij", do, v_new))
-        intra = lambda *xs: xla.intra_chunk(*xs, 0.3, gate=Gate.CHANNEL)
-        return jax.vjp(intra, q, k, v, g, beta)[1](d_terms)
+        wide = [x.astype(jnp.float64) for x in (*args, *rest)]
+        return xla.chunk_grads(*wide[:5], 0.3, None, *wide[5:], gate=Gate.CHANNEL)
 
 
 @pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])

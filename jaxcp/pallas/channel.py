@@ -15,8 +15,8 @@ The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j <= i
 For a [C, C] matrix M (lower triangular) and [C, bk] blocks of channels x, y, the sums the
 backward needs are
 
-    rows:    R_id = sum_{j < i} M_ij y_jd exp(G_id - G_jd)      (``gated_rows``)
-    columns: Q_jd = sum_{i > j} M_ij x_id exp(G_id - G_jd)      (``gated_cols``)
+    rows:    R_id = sum_{j < i} M_ij y_jd exp(G_id - G_jd)      (``gated_sum``)
+    columns: Q_jd = sum_{i > j} M_ij x_id exp(G_id - G_jd)      (``gated_sum(columns=True)``)
 
 (the diagonal j = i, where the decay is 1, is the caller's). The forward's
 A_ij = sum_d x_id y_jd exp(G_id - G_jd) is built from the same pieces in
@@ -24,11 +24,13 @@ A_ij = sum_d x_id y_jd exp(G_id - G_jd) is built from the same pieces in
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 SUB_CHUNK = 16
 
@@ -37,9 +39,51 @@ def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def f32(x):
+    return x.astype(jnp.float32)
+
+
 def row_of(x, i: int):
     """Row i of a [C, d] tile as [1, d] (a masked sum: registers cannot be indexed)."""
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
+
+
+class ChannelBlock:
+    """Block i of bk key columns of a chunk (one program's [C, K] tiles): its column slice,
+    loaders of the block of a [C, K] ref (all rows, or the rows idx), and the gate terms
+    G = cumsum(g) and, when read, exp(G), exp(G_C - G) and exp(G_C) [1, bk]. G_C is the
+    cumsum's own last row, so that G_C - G is rounded as G is."""
+
+    def __init__(self, g_ref, i: int, bk: int):
+        self.cols = pl.ds(i * bk, bk)
+        self.g_ref = g_ref
+        self.G = jnp.cumsum(f32(g_ref[:, self.cols]), axis=0)
+
+    @cached_property
+    def _G_last(self):
+        return row_of(self.G, self.G.shape[0] - 1)
+
+    @cached_property
+    def eg(self):
+        return jnp.exp(self.G)
+
+    @cached_property
+    def tail(self):
+        return jnp.exp(self._G_last - self.G)
+
+    @cached_property
+    def last(self):
+        return jnp.exp(self._G_last)
+
+    def load(self, ref):
+        return f32(ref[:, self.cols])
+
+    def rows(self, ref):
+        """idx [C] -> rows idx of this block of ref, float32."""
+        return lambda idx: f32(ref[idx, self.cols])
+
+    def g_rows(self, idx):
+        return self.g_ref[idx, self.cols]
 
 
 class SubChunk(NamedTuple):
@@ -104,30 +148,25 @@ def band(m, delta, *, upward: bool):
     return jnp.sum(hit, axis=0) if upward else jnp.sum(hit, axis=1)
 
 
-def gated_rows(m, G, y_rows: Callable, y, product, *, g_rows: Callable):
-    """R_id = sum_{j < i} m_ij y_jd exp(G_id - G_jd) for a [C, bk] block (module
-    docstring). y [C, bk] float32 and y_rows(idx) its rows idx; product: the matrix product
-    (fp32 operands)."""
+def gated_sum(m, G, z, z_rows: Callable, product, *, columns: bool, g_rows: Callable):
+    """The gated sums of the module docstring for a [C, bk] block of channels, z [C, bk]
+    float32 and z_rows(idx) its rows idx; product: the matrix product (fp32 operands).
+
+        columns False:  R_id = sum_{j < i} m_ij z_jd exp(G_id - G_jd)
+        columns True:   Q_jd = sum_{i > j} m_ij z_id exp(G_id - G_jd)
+
+    Across sub-chunks, the sub-chunk factor on the summed side scales z before the product
+    and the other scales the result; within a sub-chunk the loop runs downward (rows) or
+    upward (columns)."""
     C, bk = G.shape
     acc = jnp.zeros((C, bk), jnp.float32)
     for sc in sub_chunks(G):
-        acc = acc + sc.left * product(m, y * sc.right)
+        if columns:
+            acc = acc + sc.right * product(m.T, z * sc.left)
+        else:
+            acc = acc + sc.left * product(m, z * sc.right)
 
     def body(s: Step, acc):
-        return acc + band(m, s.delta, upward=False)[:, None] * y_rows(s.partner) * s.decay
+        return acc + band(m, s.delta, upward=columns)[:, None] * z_rows(s.partner) * s.decay
 
-    return within_sub_chunks(g_rows, C, bk, body, acc, upward=False)
-
-
-def gated_cols(m, G, x_rows: Callable, x, product, product_t, *, g_rows: Callable):
-    """Q_jd = sum_{i > j} m_ij x_id exp(G_id - G_jd) for a [C, bk] block (module
-    docstring). product_t(a, b) = a^T b."""
-    C, bk = G.shape
-    acc = jnp.zeros((C, bk), jnp.float32)
-    for sc in sub_chunks(G):
-        acc = acc + sc.right * product_t(m, x * sc.left)
-
-    def body(s: Step, acc):
-        return acc + band(m, s.delta, upward=True)[:, None] * x_rows(s.partner) * s.decay
-
-    return within_sub_chunks(g_rows, C, bk, body, acc, upward=True)
+    return within_sub_chunks(g_rows, C, bk, body, acc, upward=columns)

@@ -36,44 +36,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.channel import gated_cols, gated_rows, iota, row_of
+from jaxcp.pallas.channel import ChannelBlock, f32, gated_sum, iota
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
 
-def _f32(x):
-    return x.astype(jnp.float32)
-
-
-class _Channels:
-    """Block i of bk key columns of a chunk: its column slice, the loaders of rows of a
-    [C, K] ref, and the gate terms G = cumsum(g), exp(G), exp(G_C - G), exp(G_C)."""
-
-    def __init__(self, g_ref, i: int, bk: int):
-        self.cols = pl.ds(i * bk, bk)
-        g = _f32(g_ref[:, self.cols])
-        self.g_ref = g_ref
-        self.G = jnp.cumsum(g, axis=0)
-        G_last = row_of(self.G, g.shape[0] - 1)
-        self.eg = jnp.exp(self.G)
-        self.tail = jnp.exp(G_last - self.G)
-        self.last = jnp.exp(G_last)
-
-    def load(self, ref):
-        return _f32(ref[:, self.cols])
-
-    def rows(self, ref):
-        """idx [C] -> rows idx of this block of ref, float32."""
-        return lambda idx: _f32(ref[idx, self.cols])
-
-    def g_rows(self, idx):
-        return self.g_ref[idx, self.cols]
-
-
 def _state_tiles(ref, cols, V: int, bv: int):
-    return [_f32(ref[cols, pl.ds(j * bv, bv)]) for j in range(V // bv)]
+    return [f32(ref[cols, pl.ds(j * bv, bv)]) for j in range(V // bv)]
 
 
 def _sum_products(product, xs, ys):
@@ -90,26 +61,25 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     V = r.do.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
     dot = dots.plain
-    dot_t = lambda a, b: dot(a.T, b)
     value_cols = [pl.ds(j * bv, bv) for j in range(V // bv)]
-    do = [_f32(r.do[:, c]) for c in value_cols]
-    dattn = _sum_products(dot, do, [_f32(r.v_new[:, c]) for c in value_cols])
+    do = [f32(r.do[:, c]) for c in value_cols]
+    dattn = _sum_products(dot, do, [f32(r.v_new[:, c]) for c in value_cols])
     eye = iota((C, C), 0) == iota((C, C), 1)
     m = jnp.where(iota((C, C), 0) >= iota((C, C), 1), dattn * scale, 0.0)
     m_diagonal = jnp.sum(jnp.where(eye, m, 0.0), axis=1)[:, None]
     last_row = iota((C, bk), 0) == C - 1
     for i in range(K // bk):
-        ch = _Channels(r.g, i, bk)
+        ch = ChannelBlock(r.g, i, bk)
         q, k = ch.load(r.q), ch.load(r.k)
         h = _state_tiles(r.h, ch.cols, V, bv)
         x = _state_tiles(r.x, ch.cols, V, bv)
         dqg = _sum_products(dot, do, h) * (ch.eg * scale)
-        dkd = _sum_products(dot, [_f32(r.v_new[:, c]) for c in value_cols], x) * ch.tail
-        r.dw[:, ch.cols] = (-_sum_products(dot, [_f32(r.dvn[:, c]) for c in value_cols], h)
+        dkd = _sum_products(dot, [f32(r.v_new[:, c]) for c in value_cols], x) * ch.tail
+        r.dw[:, ch.cols] = (-_sum_products(dot, [f32(r.dvn[:, c]) for c in value_cols], h)
                             ).astype(r.dw.dtype)
         d_decay = sum(jnp.sum(hj * xj, axis=1) for hj, xj in zip(h, x))[None, :]
-        rq = gated_rows(m, ch.G, ch.rows(r.k), k, dot, g_rows=ch.g_rows)
-        cq = gated_cols(m, ch.G, ch.rows(r.q), q, dot, dot_t, g_rows=ch.g_rows)
+        rq = gated_sum(m, ch.G, k, ch.rows(r.k), dot, columns=False, g_rows=ch.g_rows)
+        cq = gated_sum(m, ch.G, q, ch.rows(r.q), dot, columns=True, g_rows=ch.g_rows)
         r.dq[:, ch.cols] = (dqg + rq + m_diagonal * k).astype(r.dq.dtype)
         r.dk1[:, ch.cols] = (dkd + cq + m_diagonal * q).astype(r.dk1.dtype)
         dkd_k = dkd * k
@@ -128,30 +98,30 @@ def _wy_kernel(*refs, names, dots, blocks):
     bk, bv = blocks.cols(K), blocks.cols(V)
     dot = dots.plain
     dot_t = lambda a, b: dot(a.T, b)
-    inv = _f32(r.inv[...])
-    beta = _f32(r.beta[...])
+    inv = f32(r.inv[...])
+    beta = f32(r.beta[...])
     da = jnp.zeros((C, C), jnp.float32)
     dbeta = jnp.zeros((C,), jnp.float32)
     for j in range(V // bv):
         cols = pl.ds(j * bv, bv)
-        dy = dot_t(inv, _f32(r.dvn[:, cols]))
+        dy = dot_t(inv, f32(r.dvn[:, cols]))
         r.dv[:, cols] = (dy * beta[:, None]).astype(r.dv.dtype)
-        da = da - dot(dy, _f32(r.u[:, cols]).T)
-        dbeta = dbeta + jnp.sum(dy * _f32(r.v[:, cols]), axis=1)
+        da = da - dot(dy, f32(r.u[:, cols]).T)
+        dbeta = dbeta + jnp.sum(dy * f32(r.v[:, cols]), axis=1)
     for i in range(K // bk):
         cols = pl.ds(i * bk, bk)
-        da = da - dot(dot_t(inv, _f32(r.dw[:, cols])), _f32(r.w[:, cols]).T)
+        da = da - dot(dot_t(inv, f32(r.dw[:, cols])), f32(r.w[:, cols]).T)
     da = jnp.where(iota((C, C), 0) > iota((C, C), 1), da, 0.0)
-    beta_rows = lambda idx: _f32(r.beta[idx])[:, None]
+    beta_rows = lambda idx: f32(r.beta[idx])[:, None]
     for i in range(K // bk):
-        ch = _Channels(r.g, i, bk)
+        ch = ChannelBlock(r.g, i, bk)
         k = ch.load(r.k)
         # dXk again: cheaper than keeping one [C, bk] block per column block live
         dxk_eg = dot_t(inv, ch.load(r.dw)) * ch.eg
         k_rows = ch.rows(r.k)
-        rk = gated_rows(da, ch.G, k_rows, k, dot, g_rows=ch.g_rows)
-        ck = gated_cols(da, ch.G, lambda idx: k_rows(idx) * beta_rows(idx), k * beta[:, None],
-                        dot, dot_t, g_rows=ch.g_rows)
+        rk = gated_sum(da, ch.G, k, k_rows, dot, columns=False, g_rows=ch.g_rows)
+        ck = gated_sum(da, ch.G, k * beta[:, None], lambda idx: k_rows(idx) * beta_rows(idx),
+                       dot, columns=True, g_rows=ch.g_rows)
         k_grad = dxk_eg + rk
         r.dk[:, ch.cols] = (ch.load(r.dk1) + k_grad * beta[:, None] + ck).astype(r.dk.dtype)
         dbeta = dbeta + jnp.sum(k_grad * k, axis=1)

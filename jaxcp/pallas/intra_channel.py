@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.channel import (SUB_CHUNK, iota, row_of, sub_chunks,
+from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, f32, iota, sub_chunks,
                                   within_sub_chunks)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
@@ -55,10 +55,10 @@ def _cross_sub_chunks(q, k, G, products, a_kk, a_qk):
     return a_kk, a_qk
 
 
-def _within_sub_chunks(q, k, k_ref, g_ref, cols, by_delta):
+def _within_sub_chunks(q, k, ch: ChannelBlock, k_ref, by_delta):
     """Adds to by_delta = (kk, qk) [C, S] the sums sum_d x_id k_jd exp(G_id - G_jd) of the
     pairs j = i - delta in i's sub-chunk (x = k, q) at column delta, for the block of
-    channels cols of k_ref, g_ref. Carrying [C, S] instead of [C, C] accumulators through
+    channels ch of k_ref. Carrying [C, S] instead of [C, C] accumulators through
     the loop keeps the kernel inside the registers."""
     C, bk = k.shape
     at_delta = lambda s, x: jnp.where(iota((C, SUB_CHUNK), 1) == s.delta,
@@ -66,11 +66,10 @@ def _within_sub_chunks(q, k, k_ref, g_ref, cols, by_delta):
 
     def body(s, acc):
         kk, qk = acc
-        e = s.decay * k_ref[s.partner, cols].astype(jnp.float32)
+        e = s.decay * ch.rows(k_ref)(s.partner)
         return kk + at_delta(s, k * e), qk + at_delta(s, q * e)
 
-    return within_sub_chunks(lambda idx: g_ref[idx, cols], C, bk, body, by_delta,
-                             upward=False)
+    return within_sub_chunks(ch.g_rows, C, bk, body, by_delta, upward=False)
 
 
 def _spread(by_delta, a):
@@ -100,16 +99,15 @@ def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     by_delta = (jnp.zeros((C, SUB_CHUNK), jnp.float32),) * 2
     qk_diagonal = jnp.zeros((C,), jnp.float32)          # j = i, decay 1
     for j in range(K // bk):
-        cols = pl.ds(j * bk, bk)
-        q, k = _f32(r.q[:, cols]), _f32(r.k[:, cols])
-        G = jnp.cumsum(_f32(r.g[:, cols]), axis=0)
-        a_kk, a_qk = _cross_sub_chunks(q, k, G, dots.plain, a_kk, a_qk)
-        by_delta = _within_sub_chunks(q, k, r.k, r.g, cols, by_delta)
+        ch = ChannelBlock(r.g, j, bk)
+        q, k = ch.load(r.q), ch.load(r.k)
+        a_kk, a_qk = _cross_sub_chunks(q, k, ch.G, dots.plain, a_kk, a_qk)
+        by_delta = _within_sub_chunks(q, k, ch, r.k, by_delta)
         qk_diagonal = qk_diagonal + jnp.sum(q * k, axis=1)
     a_qk = _spread(by_delta[1], a_qk) + jnp.where(iota((C, C), 0) == iota((C, C), 1),
                                                   qk_diagonal[:, None], 0.0)
     r.attn[...] = (a_qk * scale).astype(r.attn.dtype)
-    r.a[...] = (_f32(r.beta[...])[:, None] * _spread(by_delta[0], a_kk)).astype(r.a.dtype)
+    r.a[...] = (f32(r.beta[...])[:, None] * _spread(by_delta[0], a_kk)).astype(r.a.dtype)
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay", "a inv_in inv")
@@ -118,35 +116,27 @@ _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay", "a inv_in i
 def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     """T = (I + A)^-1 (or the T given), then w, u, qg, kd, decay of one (chunk, head)."""
     r = named(_TermsRefs, names, refs)
-    C, K = r.k.shape
+    K = r.k.shape[1]
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
-    beta = _f32(r.beta[...])
+    beta = f32(r.beta[...])
     if r.a is not None:
-        inv = unit_lower_inverse(_f32(r.a[...]), dots.plain)
+        inv = unit_lower_inverse(f32(r.a[...]), dots.plain)
     else:
-        inv = _f32(r.inv_in[...])
+        inv = f32(r.inv_in[...])
     if r.inv is not None:
         r.inv[...] = inv.astype(r.inv.dtype)
     inv_beta = inv * beta[None, :]
     for j in range(K // bk):
-        cols = pl.ds(j * bk, bk)
-        q, k = _f32(r.q[:, cols]), _f32(r.k[:, cols])
-        G = jnp.cumsum(_f32(r.g[:, cols]), axis=0)
-        # G_C as the cumsum's own last row, so that G_C - G is rounded as G is
-        G_last = row_of(G, C - 1)
-        eg = jnp.exp(G)
-        r.w[:, cols] = dots.plain(inv_beta, k * eg).astype(r.w.dtype)
-        r.qg[:, cols] = (q * eg * scale).astype(r.qg.dtype)
-        r.kd[:, cols] = (k * jnp.exp(G_last - G)).astype(r.kd.dtype)
-        r.decay[cols] = jnp.exp(G_last[0])
+        ch = ChannelBlock(r.g, j, bk)
+        q, k = ch.load(r.q), ch.load(r.k)
+        r.w[:, ch.cols] = dots.plain(inv_beta, k * ch.eg).astype(r.w.dtype)
+        r.qg[:, ch.cols] = (q * ch.eg * scale).astype(r.qg.dtype)
+        r.kd[:, ch.cols] = (k * ch.tail).astype(r.kd.dtype)
+        r.decay[ch.cols] = ch.last[0]
     for j in range(V // bv):
         cols = pl.ds(j * bv, bv)
-        r.u[:, cols] = dots.plain(inv_beta, _f32(r.v[:, cols])).astype(r.u.dtype)
-
-
-def _f32(x):
-    return x.astype(jnp.float32)
+        r.u[:, cols] = dots.plain(inv_beta, f32(r.v[:, cols])).astype(r.u.dtype)
 
 
 def _check_chunk(C: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 SLURM_OR_MPI = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
@@ -46,7 +47,6 @@ class Cluster:
 def coordinator_reachable(address: str, timeout_s: float) -> bool:
     """Whether a TCP connection to host:port opens within timeout_s (retrying: process 0
     may start its service after the others start)."""
-    import time
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -60,9 +60,10 @@ def coordinator_reachable(address: str, timeout_s: float) -> bool:
 
 
 def start(cluster: Cluster, devices_per_process: int | None) -> None:
-    """Initialise jax.distributed for the cluster (nothing for one process).
-    devices_per_process: on CPU-only machines, the CPU devices each process creates (None:
-    the machine has GPUs). Must run before any JAX call that touches a device."""
+    """Set up this process's devices and, for several processes, initialise
+    jax.distributed. devices_per_process: on CPU-only machines, the CPU devices this process
+    creates (None: the machine has GPUs). Must run before any JAX call that touches a
+    device."""
     import jax
     if devices_per_process is not None:
         jax.config.update("jax_platforms", "cpu")

@@ -22,9 +22,10 @@ from jaxcp.xla.intra import ChunkTerms, einsum, intra_chunk
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms | None, h, v_new, x, dvn,
                 do, *, gate: Gate):
-    """(dq, dk, dv, dg, dbeta), shapes of q, k, v, g, beta, float32. h, v_new, x, dvn and do
-    may come in a lower precision (the Pallas recurrences store them in the dot dtype)."""
-    h, v_new, x, dvn, do = (a.astype(jnp.float32) for a in (h, v_new, x, dvn, do))
+    """(dq, dk, dv, dg, dbeta), shapes of q, k, v, g, beta, in q's dtype (float32; float64
+    for the tests' references). h, v_new, x, dvn and do may come in a lower precision (the
+    Pallas recurrences store them in the dot dtype) and are brought to q's."""
+    h, v_new, x, dvn, do = (a.astype(q.dtype) for a in (h, v_new, x, dvn, do))
     d_decay = jnp.sum(h * x, axis=-1)
     if gate is Gate.SCALAR:
         d_decay = jnp.sum(d_decay, axis=-1, keepdims=True)
