@@ -34,6 +34,8 @@ import statistics
 import sys
 import time
 
+from jaxcp.cli import OneLineParser
+
 ENV_RECORDED = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
 
 
@@ -56,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    ap = _Parser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mesh", type=parse_mesh, default=(1, 4), help="data=D,seq=S")
     ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")

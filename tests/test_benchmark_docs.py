@@ -30,3 +30,34 @@ def test_committed_markdown_is_the_fresh_render(path, tmp_path):
     assert committed == fresh, (
         f"docs/benchmarks/{name}.md differs from the render of {name}.json and {name}.notes.md;"
         f" regenerate it: python scripts/render_docs.py docs/benchmarks/{name}.json")
+
+
+def test_memory_page_marks_failed_runs_and_ops():
+    """A run out of memory, a run that failed otherwise and an op that failed say so."""
+    from jaxcp.bench import memory
+    model = dict(kind="train", layers="gdn,attn", hidden=64, heads=2, head_dim=32,
+                 device="GPU", jax="0")
+    records = [dict(model, T_local=1024, remat="none", fits=True, peak_gib=1.5, step_ms=250.0),
+               dict(model, T_local=2048, remat="none", fits=False,
+                    error="RESOURCE_EXHAUSTED: Out of memory while trying to allocate"),
+               dict(model, T_local=2048, remat="block", fits=False, error="no result within 9 s"),
+               dict(kind="op", op="kda", impl="fla", T=8, H=2, K=16, V=16, error="no torch"),
+               dict(kind="op", op="gdn", impl="jaxcp", T=8, H=2, K=16, V=16, peak_bytes=16000,
+                    device="GPU")]
+    text = memory.markdown(records)
+    assert "| 1,024 | 1.5 GiB, 0.25 s | - |" in text
+    assert "| 2,048 | out of memory | failed: no result within 9 s |" in text
+    assert "failed: no torch" in text and "| GDN | jaxcp | 8 | 2 | 16 | 0.00 | 1.00 |" in text
+
+
+@pytest.mark.parametrize("flags", [["--steps", "1"], ["--ops", "gla"], ["--impls", "jax"],
+                                   ["--T", "0"]])
+def test_bench_memory_flag_errors(flags, capsys):
+    """Bad flags: exit code 2 and a one-line message naming the flag, before any run."""
+    import runpy
+    main = runpy.run_path(os.path.join(ROOT, "scripts", "bench_memory.py"))["main"]
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flags[0] in err[-1]

@@ -1,18 +1,18 @@
 """docs/benchmarks/NAME.md rendered from NAME.json and the hand-written NAME.notes.md.
 
-The kind of a record file, and so its renderer, is its name: "kernels", "cp", "train" or
-"gpu_checks", alone or followed by "_" and a suffix (cp_w2.json). Kinds with a plot also get
-NAME.png (matplotlib, imported only for it)."""
+The kind of a record file, and so its renderer, is its name: "kernels", "cp", "train",
+"gpu_checks" or "memory", alone or followed by "_" and a suffix (cp_w2.json). Kinds with a
+plot also get NAME.png (matplotlib, imported only for it)."""
 from __future__ import annotations
 
 import json
 import os
 
-from jaxcp.bench import checks, cp, kernels, train
+from jaxcp.bench import checks, cp, kernels, memory, train
 
 RENDERERS = {"kernels": kernels.markdown, "cp": cp.markdown, "train": train.markdown,
-             "gpu_checks": checks.markdown}
-PLOTS = {"kernels": "kernels_png", "cp": "cp_png"}
+             "gpu_checks": checks.markdown, "memory": memory.markdown}
+PLOTS = {"kernels": "kernels_png", "cp": "cp_png", "memory": "memory_png"}
 COMMAND = "python scripts/render_docs.py"
 
 

@@ -1,7 +1,7 @@
-"""Bar charts of the kernel and CP benchmark records (PNG; needs matplotlib, the bench extra)."""
+"""Charts of the kernel, CP and memory benchmark records (PNG; needs matplotlib, the bench extra)."""
 from __future__ import annotations
 
-from jaxcp.bench import kernels
+from jaxcp.bench import kernels, memory
 
 PASSES = ("fwd", "fwd+bwd")
 
@@ -50,5 +50,29 @@ def cp_png(records: list[dict], path: str) -> None:
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(labels, fontsize=7, rotation=90)
         ax.set_title(f"GDN {passes}, W = {W}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def memory_png(records: list[dict], path: str) -> None:
+    """Peak memory against T_local, one line per remat choice, and the device's memory."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, remats, lengths, at = memory.train_rows(records)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for m in remats:
+        pts = [(T, at[T, m]["peak_gib"]) for T in lengths if (T, m) in at and at[T, m]["fits"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"remat {m}")
+    if runs and runs[0].get("device_gib"):
+        ax.axhline(runs[0]["device_gib"], color="gray", linestyle="--", label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("T_local (tokens per GPU)")
+    ax.set_ylabel("peak GiB")
+    if runs:
+        ax.set_title(f"{runs[0]['layers']}, hidden {runs[0]['hidden']}, {runs[0]['device']}")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

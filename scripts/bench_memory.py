@@ -1,0 +1,216 @@
+"""Peak GPU memory of a training step and of the ops alone: how long a sequence fits.
+
+    python scripts/bench_memory.py --json docs/benchmarks/memory.json       # on a GPU machine
+    python scripts/bench_memory.py --T 32768 65536 --remat none block --ops none --json m.json
+    python scripts/render_docs.py docs/benchmarks/memory.json              # memory.md, .png
+
+Train: scripts/train.py with the MODEL below (bf16, batch 1, mesh data=1,seq=1) for --steps
+steps at each T_local and remat choice, one process per run, shortest first; a run that fails
+(out of memory) is recorded as not fitting, with the last line of its error, and its remat
+choice is not tried at longer T_local. XLA may use up to 95 % of the
+GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION), allocated as needed.
+
+Ops: one forward+backward call of GDN and KDA (q, k normalised in the op), jaxcp and FLA, each
+in its own process: jaxcp's peak is the compiled call's memory (arguments + outputs + XLA's
+temporaries - aliased bytes), FLA's the torch allocator's peak over the call, the inputs
+included. Both calls keep o and return the gradients of q, k, v, g, beta.
+
+Records are written after every measurement (``jaxcp.bench.memory`` describes them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from jaxcp.cli import OneLineParser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ("--layers", "gdn,gdn,gdn,attn", "--hidden", "2048", "--heads", "16",
+         "--head-dim", "128")
+OP_SHAPES = [(32768, 64, 128), (131072, 16, 128)]      # (T, H, K = V)
+
+
+
+def op_jaxcp(op: str, T: int, H: int, D: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import jaxcp
+
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+    normal = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16)
+    gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
+    xs = (normal(1, T, H, D), normal(1, T, H, D), normal(1, T, H, D),
+          jax.nn.log_sigmoid(jax.random.normal(next(keys), gate_shape, jnp.float32)),
+          jax.nn.sigmoid(normal(1, T, H)), normal(1, T, H, D))
+    jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
+
+    def forward_backward(q, k, v, g, beta, do):
+        o, pullback = jax.vjp(lambda *a: jaxcp_op(*a, use_qk_l2norm_in_kernel=True)[0],
+                              q, k, v, g, beta)
+        return o, pullback(do)
+
+    compiled = jax.jit(forward_backward).lower(*xs).compile()
+    m = compiled.memory_analysis()
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+    jax.block_until_ready(compiled(*xs))          # and it runs
+    return dict(peak_bytes=peak, temp_bytes=m.temp_size_in_bytes,
+                device=jax.devices()[0].device_kind, version=f"jax {jax.__version__}")
+
+
+def op_fla(op: str, T: int, H: int, D: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import fla
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True   # FLA's guard for the gated backward on this triton
+    if op == "kda":
+        from fla.ops.kda import chunk_kda as fla_op
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+
+    torch.manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
+    gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
+    g = F.logsigmoid(torch.randn(*gate_shape, device="cuda")).detach().requires_grad_(True)
+    beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    o = fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    o.backward(do)
+    torch.cuda.synchronize()
+    return dict(peak_bytes=torch.cuda.max_memory_allocated(), temp_bytes=None,
+                device=torch.cuda.get_device_name(),
+                version=f"fla {getattr(fla, '__version__', '?')}, torch {torch.__version__}")
+
+
+def measure_op(op: str, impl: str, T: int, H: int, D: int, timeout: int) -> dict:
+    """One op measurement in a child process (a fresh allocator, the GPU to itself)."""
+    base = dict(kind="op", op=op, impl=impl, T=T, H=H, K=D, V=D)
+    try:
+        child = subprocess.run([sys.executable, __file__, "--child", f"{op}:{impl}:{T}:{H}:{D}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(base, error=f"no result within {timeout} s")
+    if child.returncode != 0:
+        return dict(base, error=(child.stderr.strip().splitlines() or ["?"])[-1][:200])
+    return dict(base, **json.loads(child.stdout.strip().splitlines()[-1]))
+
+
+def measure_train(T: int, remat: str, steps: int, timeout: int, device_gib: float | None) -> dict:
+    """One scripts/train.py run at T_local tokens with this remat choice."""
+    base = dict(kind="train", layers=MODEL[1], hidden=int(MODEL[3]), heads=int(MODEL[5]),
+                head_dim=int(MODEL[7]), T_local=T, remat=remat, device_gib=device_gib)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_PYTHON_CLIENT_MEM_FRACTION="0.95")
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *MODEL,
+               "--seq-len", str(T), "--mesh", "data=1,seq=1", "--batch", "1",
+               "--dtype", "bfloat16", "--vocab", "8192", "--pairs", str(min(256, T // 4)),
+               "--steps", str(steps), "--warmup", "1", "--eval-every", "0",
+               "--ckpt-every", "0", "--remat", remat, "--run-dir", run_dir]
+        try:
+            run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return dict(base, fits=False, error=f"no result within {timeout} s")
+        summary_path = os.path.join(run_dir, "summary.json")
+        if run.returncode != 0 or not os.path.exists(summary_path):
+            lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+            return dict(base, fits=False, error=(lines or ["?"])[-1][:200])
+        with open(summary_path) as f:
+            s = json.load(f)
+        with open(os.path.join(run_dir, "config.json")) as f:
+            cfg = json.load(f)
+    return dict(base, fits=True, peak_gib=s["peak_mem_gib"], step_ms=s["step_ms"],
+                tokens_per_s=s["tokens_per_s"], timed_steps=s["timed_steps"],
+                loss=s["loss"], device=cfg["device_kind"], jax=cfg["jax_version"])
+
+
+def device_memory_gib() -> tuple[str | None, float | None]:
+    """(name, total GiB) of GPU 0 from nvidia-smi, (None, None) without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader,nounits"], stdout=subprocess.PIPE,
+                             text=True, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None, None
+    name, mib = out.rsplit(",", 1)
+    return name.strip(), round(float(mib) / 1024, 1)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--T", type=_positive, nargs="*", default=[32768, 65536, 131072, 262144],
+                    help="T_local of the training runs (none: no training runs)")
+    ap.add_argument("--remat", nargs="*", default=["none", "block", "mixer"],
+                    choices=["none", "block", "mixer"])
+    ap.add_argument("--steps", type=_positive, default=3, help="train steps per run (>= 2)")
+    ap.add_argument("--ops", default="gdn,kda", help="ops to measure alone (none: no ops)")
+    ap.add_argument("--impls", default="jaxcp,fla")
+    ap.add_argument("--timeout", type=_positive, default=300, help="seconds per child process")
+    ap.add_argument("--deadline", type=_positive, default=None,
+                    help="seconds after which no new measurement starts")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        op, impl, T, H, D = args.child.split(":")
+        fn = op_jaxcp if impl == "jaxcp" else op_fla
+        print(json.dumps(fn(op, int(T), int(H), int(D))))
+        return 0
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (the first step compiles)")
+    ops = [] if args.ops == "none" else args.ops.split(",")
+    if not set(ops) <= {"gdn", "kda"}:
+        ap.error(f"--ops takes gdn, kda or none, got {args.ops!r}")
+    impls = args.impls.split(",")
+    if not set(impls) <= {"jaxcp", "fla"}:
+        ap.error(f"--impls takes jaxcp and fla, got {args.impls!r}")
+
+    records = []
+    start = time.monotonic()
+
+    def in_time() -> bool:
+        return args.deadline is None or time.monotonic() - start < args.deadline
+
+    def add(record):
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+
+    _, device_gib = device_memory_gib()
+    too_long = set()          # remat choices that did not fit a shorter T_local
+    for T in sorted(args.T):
+        for remat in args.remat:
+            if remat not in too_long and in_time():
+                add(measure_train(T, remat, args.steps, args.timeout, device_gib))
+                if not records[-1]["fits"]:
+                    too_long.add(remat)
+    for op in ops:
+        for T, H, D in OP_SHAPES:
+            for impl in impls:
+                if in_time():
+                    add(measure_op(op, impl, T, H, D, args.timeout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
