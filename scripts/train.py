@@ -69,6 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=64, help="MQAR vocabulary (bytes: 256)")
     ap.add_argument("--pairs", type=int, default=4, help="MQAR key-value pairs per sequence")
+    ap.add_argument("--spread-pairs", action="store_true",
+                    help="MQAR pairs evenly spaced over each half (else packed at its start)")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -185,14 +187,13 @@ def _train(args, ap, argv, env, cluster) -> int:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
 
     from jaxcp.models import LM
     from jaxcp.stages import resolve_backend
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
-                             replicate)
-    from jaxcp.train.cluster import global_batch, local_value
-    from jaxcp.train.step import AXES
+                             replicate, shard_batch)
+    from jaxcp.train.cluster import local_value
 
     main_process = jax.process_index() == 0
 
@@ -202,9 +203,7 @@ def _train(args, ap, argv, env, cluster) -> int:
         ap.error(f"--mesh has {data * seq} devices; the {jax.process_count()} processes have "
                  f"{jax.device_count()} together")
     mesh = Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
-    # the same host batch on every process; each places only its own shards
-    place_batch = lambda batch: global_batch(Batch(*(np.asarray(x) for x in batch)), mesh,
-                                             P(*AXES))
+    place_batch = lambda batch: shard_batch(batch, mesh)
     try:
         model = LM(args.vocab, args.hidden, args.layers, args.heads, args.head_dim,
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
@@ -233,7 +232,8 @@ def _train(args, ap, argv, env, cluster) -> int:
     else:
         @jax.jit
         def batch_at(key):
-            return mqar_batch(key, args.batch, args.seq_len, args.vocab, args.pairs)
+            return mqar_batch(key, args.batch, args.seq_len, args.vocab, args.pairs,
+                              spread=args.spread_pairs)
 
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)

@@ -54,14 +54,19 @@ def test_train_step_cp_equals_no_cp(data, seq, dtype):
         assert_rel(a, b, tol, f"updated {jax.tree_util.keystr(path)}")
 
 
-def test_mqar_batch_layout():
-    b = mqar_batch(jax.random.key(0), 3, 32, VOCAB, 4)
+@pytest.mark.parametrize("spread, stride", [(False, 2), (True, 4)])
+def test_mqar_batch_layout(spread, stride):
+    """4 pairs in a 32-token sequence: packed at the start of each half, or one every 16 / 4
+    tokens; every query's target is its key's value."""
+    b = mqar_batch(jax.random.key(0), 3, 32, VOCAB, 4, spread=spread)
     tokens, targets, mask = map(np.asarray, b)
     for row in range(3):
-        pairs = dict(zip(tokens[row, 0:8:2], tokens[row, 1:8:2]))
+        keys = np.arange(4) * stride
+        pairs = dict(zip(tokens[row, keys], tokens[row, keys + 1]))
         assert len(pairs) == 4 and all(1 <= k < VOCAB // 2 for k in pairs)
+        assert np.count_nonzero(tokens[row, :16]) == 8
         q = np.nonzero(mask[row])[0]
-        assert len(q) == 4 and np.all(q >= 16)
+        np.testing.assert_array_equal(q, 16 + keys)
         for p in q:
             assert targets[row, p] == pairs[tokens[row, p]]
 

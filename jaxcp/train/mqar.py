@@ -4,7 +4,9 @@ A sequence of length T holds n_pairs key-value pairs in its first half (k1 v1 k2
 in its second half, queries: keys of the first half in a random order, each followed by its
 value. The model is scored on predicting each queried value from its key, so under context
 parallelism the answer of a query on a late device sits on an early device. Keys come from
-[1, vocab / 2), values from [vocab / 2, vocab); 0 pads.
+[1, vocab / 2), values from [vocab / 2, vocab); 0 pads. The pairs sit at the start of each
+half, or, spread, one every (T / 2) // n_pairs tokens, so that every device of a long
+sequence holds keys or queries.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ class Batch(NamedTuple):
     mask: jax.Array
 
 
-def mqar_batch(key: jax.Array, batch: int, seq_len: int, vocab: int, n_pairs: int) -> Batch:
-    """One batch; deterministic in key."""
+def mqar_batch(key: jax.Array, batch: int, seq_len: int, vocab: int, n_pairs: int,
+               spread: bool = False) -> Batch:
+    """One batch; deterministic in key. spread: pairs evenly spaced over each half (module
+    docstring), else packed at its start."""
     half = seq_len // 2
     if n_pairs < 1 or 2 * n_pairs > half:
         raise ValueError(f"n_pairs must be in [1, seq_len / 4 = {seq_len // 4}], got {n_pairs}")
@@ -36,13 +40,14 @@ def mqar_batch(key: jax.Array, batch: int, seq_len: int, vocab: int, n_pairs: in
     order = jax.vmap(lambda k: jax.random.permutation(k, n_pairs))(jax.random.split(q_key, batch))
     q_keys = jnp.take_along_axis(keys, order, axis=1)
     q_values = jnp.take_along_axis(values, order, axis=1)
-    interleave = lambda a, b: jnp.stack([a, b], axis=2).reshape(batch, 2 * n_pairs)
-    first = jnp.zeros((batch, half), jnp.int32).at[:, :2 * n_pairs].set(interleave(keys, values))
-    second = jnp.zeros((batch, seq_len - half), jnp.int32).at[:, :2 * n_pairs].set(
-        interleave(q_keys, q_values))
-    tokens = jnp.concatenate([first, second], axis=1).astype(jnp.int32)
+    stride = half // n_pairs if spread else 2
+    at = jnp.arange(n_pairs) * stride             # each pair's first token within its half
+    place = lambda length, a, b: (jnp.zeros((batch, length), jnp.int32)
+                                  .at[:, at].set(a).at[:, at + 1].set(b))
+    tokens = jnp.concatenate([place(half, keys, values),
+                              place(seq_len - half, q_keys, q_values)], axis=1)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    pos = jnp.arange(seq_len)
-    is_query = (pos >= half) & (pos < half + 2 * n_pairs) & ((pos - half) % 2 == 0)
+    pos = jnp.arange(seq_len) - half
+    is_query = (pos >= 0) & (pos < n_pairs * stride) & (pos % stride == 0)
     mask = jnp.broadcast_to(is_query, (batch, seq_len)).astype(jnp.float32)
     return Batch(tokens, targets, mask)

@@ -14,10 +14,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcp.train.cluster import global_batch
 from jaxcp.train.mqar import Batch
 
 AXES = ("data", "seq")
@@ -67,9 +69,9 @@ def make_train_step(graph, mesh: Mesh, tx: optax.GradientTransformation,
 
 
 def shard_batch(batch: Batch, mesh: Mesh) -> Batch:
-    """Place a host batch with its batch axis over "data" and its sequence over "seq"."""
-    sharding = NamedSharding(mesh, P(*AXES))
-    return Batch(*(jax.device_put(x, sharding) for x in batch))
+    """Place a batch, the same on every process, with its batch axis over "data" and its
+    sequence over "seq"; each process transfers only the shards its devices hold."""
+    return global_batch(Batch(*(np.asarray(x) for x in batch)), mesh, P(*AXES))
 
 
 def replicate(tree, mesh: Mesh):
