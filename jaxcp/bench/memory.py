@@ -6,8 +6,8 @@ Two kinds of record, told apart by "kind":
   choice: fits (the steps ran), peak_gib (peak bytes in use), step_ms, tokens_per_s, or the
   error's last line.
 - "op": one forward+backward call of an op (GDN or KDA; jaxcp or FLA) at (T, H, K = V): its
-  peak bytes (inputs, output cotangent, gradients and temporaries), and bytes per token and
-  head.
+  peak bytes (inputs, output cotangent, o, gradients and temporaries), and bytes per token
+  and head.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ GIB = 2 ** 30
 
 
 def train_rows(records):
-    """The train records, their remat choices and T_local values, and the records by (T_local, remat)."""
+    """The train records, their remat choices and T_local values (in order), and the records
+    by (T_local, remat)."""
     runs = [r for r in records if r["kind"] == "train"]
     remats = sorted({r["remat"] for r in runs}, key=("none", "block", "mixer").index)
     lengths = sorted({r["T_local"] for r in runs})
