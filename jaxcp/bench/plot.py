@@ -1,4 +1,5 @@
-"""Charts of the kernel, CP and memory benchmark records (PNG; needs matplotlib, the bench extra)."""
+"""Charts of the kernel, CP and memory benchmark records (PNG; needs matplotlib, the bench
+extra)."""
 from __future__ import annotations
 
 from jaxcp.bench import kernels, memory
