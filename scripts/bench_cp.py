@@ -173,11 +173,12 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
             jobs += [(strategy, "fwd", jax.jit(call), xs),
                      (strategy, "fwd+bwd", jax.jit(forward_backward(call, range(5))), xs)]
         times = time_side_by_side([(fn, xs) for _, _, fn, xs in jobs], iters, compile_threads)
-        for (strategy, passes, _, _), ms in zip(jobs, times):
-            if isinstance(ms, Exception):   # reported, not fatal: the other rows still run
+        for (strategy, passes, _, _), timed in zip(jobs, times):
+            if isinstance(timed, Exception):   # reported, not fatal: the other rows still run
                 print(f"{strategy:10} nseq={len(cu_list) - 1:2} {passes:8} failed: "
-                      f"{type(ms).__name__}: {str(ms)[:300]}", flush=True)
+                      f"{type(timed).__name__}: {str(timed)[:300]}", flush=True)
                 continue
+            ms = timed.ms
             records.append(dict(op="gdn", strategy=strategy, W=1 if strategy == "none" else W,
                                 T=T, H=H, K=D, V=D, nseq=len(cu_list) - 1,
                                 **{"pass": passes}, ms=ms, device=devices[0].device_kind,

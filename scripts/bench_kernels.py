@@ -14,7 +14,10 @@ A call is the jitted forward (returns o) or forward+backward (o, then the gradie
 v, g, beta for a random output cotangent by jax.vjp: ``jaxcp.bench.timing.forward_backward``,
 as FLA's ``o.backward(do)``). Both sides time the GPU's time per call, calls queued back to
 back: FLA by triton's do_bench (median), jaxcp by ``jaxcp.bench.timing.pipelined_ms`` (median
-of --iters rounds of 4 queued calls).
+of --iters rounds of 4 queued calls). Each record also has the call's peak memory
+(peak_bytes): jaxcp's from the compiled call's memory analysis (arguments, outputs and XLA's
+temporaries), FLA's the torch allocator's peak over one call, its inputs, output cotangent
+and gradients live.
 """
 from __future__ import annotations
 
@@ -39,6 +42,14 @@ def run_fla(op: str, configs, iters: int) -> list[dict]:
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
+    def peak_bytes(call) -> int:
+        """The allocator's peak over one call, the live inputs and gradients included."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
     out = []
     for T, H, D in configs:
         torch.manual_seed(0)
@@ -55,12 +66,13 @@ def run_fla(op: str, configs, iters: int) -> list[dict]:
         do = torch.randn_like(fwds["torch"]())
         bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
                                                    return_mode="median")
+        calls = {"fwd": lambda fwd: fwd, "fwd+bwd": lambda fwd: lambda: fwd().backward(do)}
         for passes in ("fwd", "fwd+bwd"):
-            times = {how: bench(fwd if passes == "fwd" else lambda fwd=fwd: fwd().backward(do))
-                     for how, fwd in fwds.items()}
+            times = {how: bench(calls[passes](fwd)) for how, fwd in fwds.items()}
             how = min(times, key=times.get)
             out.append(dict(op=op, impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
-                            ms=times[how], fla_l2norm=how, device=torch.cuda.get_device_name(),
+                            ms=times[how], peak_bytes=peak_bytes(calls[passes](fwds[how])),
+                            fla_l2norm=how, device=torch.cuda.get_device_name(),
                             fla=getattr(fla, "__version__", "?")))
             print(f"fla T={T} H={H} D={D} {passes}: " + ", ".join(
                 f"l2norm {h} {t:.3f} ms" for h, t in times.items()), file=sys.stderr, flush=True)
@@ -95,14 +107,15 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
                      (impl, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
         xs = (q, k, v, g, beta)
         times = time_side_by_side([(fn, xs) for _, _, fn in jobs], iters, compile_threads)
-        for (impl, passes, _), ms in zip(jobs, times):
-            if isinstance(ms, Exception):   # an impl that cannot run this shape: reported
-                print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(ms).__name__}: "
-                      f"{str(ms)[:300]}", flush=True)
+        for (impl, passes, _), timed in zip(jobs, times):
+            if isinstance(timed, Exception):   # an impl that cannot run this shape: reported
+                print(f"{impl} T={T} H={H} D={D} {passes}: failed: {type(timed).__name__}: "
+                      f"{str(timed)[:300]}", flush=True)
                 continue
             out.append(dict(op=op, impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
-                            ms=ms, device=device, jax=jax.__version__, fla=fla_version))
-            print(f"{impl} T={T} H={H} D={D} {passes}: {ms:.3f} ms", flush=True)
+                            ms=timed.ms, peak_bytes=timed.peak_bytes, device=device,
+                            jax=jax.__version__, fla=fla_version))
+            print(f"{impl} T={T} H={H} D={D} {passes}: {timed.ms:.3f} ms", flush=True)
             done(out)
     return out
 

@@ -40,6 +40,7 @@ def op_jaxcp(op: str, T: int, H: int, D: int) -> dict:
     import jax
     import jax.numpy as jnp
     import jaxcp
+    from jaxcp.bench.timing import compiled_peak_bytes
 
     keys = iter(jax.random.split(jax.random.key(0), 8))
     normal = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16)
@@ -55,11 +56,9 @@ def op_jaxcp(op: str, T: int, H: int, D: int) -> dict:
         return o, pullback(do)
 
     compiled = jax.jit(forward_backward).lower(*xs).compile()
-    m = compiled.memory_analysis()
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
     jax.block_until_ready(compiled(*xs))          # and it runs
-    return dict(peak_bytes=peak, temp_bytes=m.temp_size_in_bytes,
+    return dict(peak_bytes=compiled_peak_bytes(compiled),
+                temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
                 device=jax.devices()[0].device_kind, version=f"jax {jax.__version__}")
 
 

@@ -61,3 +61,14 @@ def test_bench_memory_flag_errors(flags, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert flags[0] in err[-1]
+
+
+def test_kernel_page_shows_peak_memory_when_recorded():
+    from jaxcp.bench import kernels
+    row = dict(op="kda", T=8, H=2, K=16, V=16, device="H100", **{"pass": "fwd"})
+    records = [dict(row, impl="jaxcp-pallas", ms=2.0, peak_bytes=2 ** 30),
+               dict(row, impl="fla", ms=1.0, peak_bytes=2 ** 31)]
+    text = kernels.markdown(records)
+    assert "| 8 | 2 | 16 | fwd | 2.00 | 1.00 | 2.00x |" in text and "| 1.00 / 2.00 |" in text
+    assert "peak GiB" not in kernels.markdown([{k: v for k, v in r.items() if k != "peak_bytes"}
+                                              for r in records])

@@ -54,19 +54,31 @@ def markdown(records: list[dict]) -> str:
     names = impls(records)
     op = op_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
+    peak = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r.get("peak_bytes")
+            for r in records}
+    with_peaks = any(v is not None for v in peak.values())
     lines = [f"# {op.upper()} kernel benchmark", "",
              f"Device: {device}; jax {jax}; FLA {fla}. B = 1, bf16, q/k L2-normalised, "
-             "median ms per call.", "",
-             "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |",
-             "|---|---|---|---|" + "---|" * len(names) + "---|---|"]
+             "median ms per call" + (", and peak GiB per call (jaxcp: the compiled call's "
+                                     "arguments, outputs and temporaries; FLA: the allocator's "
+                                     "peak over one call)" if with_peaks else "") + ".", "",
+             "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |"
+             + (" peak GiB " + " / ".join(names) + " |" if with_peaks else ""),
+             "|---|---|---|---|" + "---|" * len(names) + "---|---|"
+             + ("---|" if with_peaks else "")]
     for T, H, D in shapes(records):
         for passes in ("fwd", "fwd+bwd"):
             vals = [ms.get((i, T, H, D, passes)) for i in names]
             p, f = ms.get(("jaxcp-pallas", T, H, D, passes)), ms.get(("fla", T, H, D, passes))
             ratio = f"{p / f:.2f}x" if p and f else "-"
-            lines.append(f"| {T} | {H} | {D} | {passes} | "
-                         + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
-                         + f" | {ratio} | {floor_ms(op, T, H, D, passes, device):.2f} |")
+            row = (f"| {T} | {H} | {D} | {passes} | "
+                   + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
+                   + f" | {ratio} | {floor_ms(op, T, H, D, passes, device):.2f} |")
+            if with_peaks:
+                gib = [peak.get((i, T, H, D, passes)) for i in names]
+                row += " " + " / ".join("-" if b is None else f"{b / 2**30:.2f}"
+                                        for b in gib) + " |"
+            lines.append(row)
     lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
               "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s (`jaxcp.bench.kernels."
               "floor_ms`)."]

@@ -1,9 +1,10 @@
-"""Wall-clock timing of jitted JAX calls for the benchmarks and checks: warm up, then the median."""
+"""Wall-clock timing of jitted JAX calls for the benchmarks and checks: warm up, then the
+median; and a compiled call's peak memory."""
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -85,16 +86,33 @@ def compile_side_by_side(jobs: Sequence[tuple[Callable, tuple]], threads: int = 
         return list(pool.map(build, jobs))
 
 
+def compiled_peak_bytes(compiled) -> int | None:
+    """The memory a compiled call holds at its peak: its arguments, outputs and XLA's
+    temporaries, less the outputs that alias arguments (the executable's memory analysis;
+    None where the backend gives none)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+class Timed(NamedTuple):
+    """One job of ``time_side_by_side``: median ms per call and ``compiled_peak_bytes``."""
+    ms: float
+    peak_bytes: int | None
+
+
 def time_side_by_side(jobs: Sequence[tuple[Callable, tuple]], iters: int,
-                      threads: int = 8) -> Iterator[float | Exception]:
+                      threads: int = 8) -> Iterator[Timed | Exception]:
     """Compile the jobs side by side (``compile_side_by_side``), then time each in turn
-    (``pipelined_ms``): yields, per job and as soon as it is measured, its milliseconds or
-    the exception its compilation or run raised (so a caller can report it and go on)."""
+    (``pipelined_ms``): yields, per job and as soon as it is measured, its ``Timed`` or the
+    exception its compilation or run raised (so a caller can report it and go on)."""
     for (_, args), fn in zip(jobs, compile_side_by_side(jobs, threads)):
         if isinstance(fn, Exception):
             yield fn
             continue
         try:
-            yield pipelined_ms(fn, *args, iters=iters)
+            yield Timed(pipelined_ms(fn, *args, iters=iters), compiled_peak_bytes(fn))
         except Exception as e:   # the caller reports it for that job and goes on
             yield e
