@@ -46,10 +46,10 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    import fla.ops.common.chunk_o as chunk_o
-    chunk_o.TRITON_ABOVE_3_7_1 = True   # timing only: FLA's guard for the gated dqkwg kernel
     from fla.ops.cp import build_cp_context
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from jaxcp.bench import fla
+
+    chunk_gated_delta_rule = fla.op("gdn")
 
     dist.init_process_group("nccl")
     rank, W = dist.get_rank(), dist.get_world_size()

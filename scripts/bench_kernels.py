@@ -34,30 +34,12 @@ def run_fla(op: str, configs, iters: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
     import triton
-    import fla
-    import fla.ops.common.chunk_o as chunk_o
-    chunk_o.TRITON_ABOVE_3_7_1 = True   # timing only: FLA's guard for the gated dqkwg kernel
-    if op == "kda":
-        from fla.ops.kda import chunk_kda as fla_op
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+    from jaxcp.bench import fla
 
-    def peak_bytes(call) -> int:
-        """The allocator's peak over one call, the live inputs and gradients included."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        call()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-
+    fla_op = fla.op(op)
     out = []
     for T, H, D in configs:
-        torch.manual_seed(0)
-        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-        q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
-        beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-        gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
-        g = F.logsigmoid(torch.randn(*gate_shape, device="cuda")).requires_grad_(True)
+        q, k, v, g, beta = fla.inputs(op, T, H, D)
         # two ways to normalise q, k: torch before the op or FLA's fused
         # kernel; FLA is credited with the faster of the two
         fwds = {"torch": lambda: fla_op(F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1),
@@ -71,9 +53,9 @@ def run_fla(op: str, configs, iters: int) -> list[dict]:
             times = {how: bench(calls[passes](fwd)) for how, fwd in fwds.items()}
             how = min(times, key=times.get)
             out.append(dict(op=op, impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
-                            ms=times[how], peak_bytes=peak_bytes(calls[passes](fwds[how])),
+                            ms=times[how], peak_bytes=fla.peak_bytes(calls[passes](fwds[how])),
                             fla_l2norm=how, device=torch.cuda.get_device_name(),
-                            fla=getattr(fla, "__version__", "?")))
+                            fla=fla.version()))
             print(f"fla T={T} H={H} D={D} {passes}: " + ", ".join(
                 f"l2norm {h} {t:.3f} ms" for h, t in times.items()), file=sys.stderr, flush=True)
     return out
