@@ -50,13 +50,6 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return data, seq
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr and exit code 2, no usage dump."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv=None):
     ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mesh", type=parse_mesh, default=(1, 4), help="data=D,seq=S")
