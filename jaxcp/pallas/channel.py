@@ -1,26 +1,27 @@
-"""Gated sums over one chunk with a per-channel gate (KDA), shared by the intra-chunk kernel
-and the cotangent kernels: every decay exp(G_id - G_jd) (j before i, G the chunk cumsum of
-g <= 0) is built from factors <= 1, so the sums are finite for any gate.
+"""Gated sums over one sub-chunk with a per-channel gate (KDA), shared by the forward's
+``kda_gated_sums`` and the backward's ``kda_grads_gated_sums``: every decay
+exp(G_id - G_jd) (j before i, G the chunk cumsum of g <= 0) is built from factors <= 1, so
+the sums are finite for any gate.
 
-The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j <= i, is
+The chunk's C rows are cut into sub-chunks of S = 16 rows, and these kernels run one
+program per (chunk, batch, head, sub-chunk b), on [S, bk] tiles: small enough that many
+programs share an SM. Sub-chunk b holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
 
-- across sub-chunks (j before the sub-chunk b of i, whose first row is r):
-  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1, so the sums over j
-  are tensor-core products of tiles scaled by ``SubChunk.left`` and ``SubChunk.right``;
-- within a sub-chunk: token by token in the distance delta = |i - j| (1 .. S - 1), the
-  decay exp(sum of g over the rows j+1 .. i) a partial sum grown by one row of g per step
-  (``within_sub_chunks``), exact to rounding even for gates of -1e3, where a difference of
-  two cumsums of size ~1e4 would keep few digits.
+- i in b, j before b (the rows of b as queries):
+  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1 (``RowFactors``);
+- j in b, i after b (the rows of b as keys):
+  exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j), both factors <= 1 (``ColumnFactors``);
+- i and j in b: token by token in the distance delta = |i - j| (1 .. S - 1), the decay
+  exp(sum of g over the rows j+1 .. i) a partial sum grown by one row of g per step
+  (``within_sub_chunk``), exact to rounding even for gates of -1e3, where a difference of
+  two cumsums of size ~1e4 keeps few digits.
 
-For a [C, C] matrix M (lower triangular) and [C, bk] blocks of channels x, y, the sums the
-backward needs are
-
-    rows:    R_id = sum_{j < i} M_ij y_jd exp(G_id - G_jd)      (``gated_sum``)
-    columns: Q_jd = sum_{i > j} M_ij x_id exp(G_id - G_jd)      (``gated_sum(columns=True)``)
-
-(the diagonal j = i, where the decay is 1, is the caller's). The forward's
-A_ij = sum_d x_id y_jd exp(G_id - G_jd) is built from the same pieces in
-``pallas.intra_channel``.
+The first two are tensor-core products of the sub-chunk's [S, C] rows (or columns) of a
+[C, C] matrix with a [C, bk] tile, their factors differences of the chunk cumsum G, as in
+the jnp stages. G comes to the kernels computed once: the row sums of one program and the
+column sums of another then take the same rounded exponents for a pair (for the nonzero
+decays, whose G_i and G_j are close, the differences are exact), and their terms in dg
+cancel as the exact ones do.
 """
 from __future__ import annotations
 
@@ -43,25 +44,31 @@ def f32(x):
     return x.astype(jnp.float32)
 
 
-def row_of(x, i: int):
-    """Row i of a [C, d] tile as [1, d] (a masked sum: registers cannot be indexed)."""
+def row_at(x, i):
+    """Row i (static or traced) of a [n, d] tile as [1, d] (a masked sum: registers cannot
+    be indexed)."""
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
 
 
+def check_chunk(C: int) -> None:
+    if C % SUB_CHUNK:
+        raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK} for the Pallas KDA "
+                         f"kernels, got {C}")
+
+
 class ChannelBlock:
-    """Block i of bk key columns of a chunk (one program's [C, K] tiles): its column slice,
-    loaders of the block of a [C, K] ref (all rows, or the rows idx), and the gate terms
-    G = cumsum(g) and, when read, exp(G), exp(G_C - G) and exp(G_C) [1, bk]. G_C is the
-    cumsum's own last row, so that G_C - G is rounded as G is."""
+    """Block i of bk key columns of a whole-chunk program's [C, K] tiles: its column slice,
+    a loader of the block of a [C, K] ref, and the gate terms G = cumsum(g) and, when read,
+    exp(G), exp(G_C - G) and exp(G_C) [1, bk]. G_C is the cumsum's own last row, so that
+    G_C - G is rounded as G is."""
 
     def __init__(self, g_ref, i: int, bk: int):
         self.cols = pl.ds(i * bk, bk)
-        self.g_ref = g_ref
         self.G = jnp.cumsum(f32(g_ref[:, self.cols]), axis=0)
 
     @cached_property
     def _G_last(self):
-        return row_of(self.G, self.G.shape[0] - 1)
+        return row_at(self.G, self.G.shape[0] - 1)
 
     @cached_property
     def eg(self):
@@ -78,95 +85,138 @@ class ChannelBlock:
     def load(self, ref):
         return f32(ref[:, self.cols])
 
-    def rows(self, ref):
-        """idx [C] -> rows idx of this block of ref, float32."""
-        return lambda idx: f32(ref[idx, self.cols])
 
-    def g_rows(self, idx):
-        return self.g_ref[idx, self.cols]
-
-
-class SubChunk(NamedTuple):
-    """The factors of sub-chunk b >= 1 (first row r = b S) for a [C, bk] block of G:
-    left = exp(G_i - G_r) on the rows of b, else 0; right = exp(G_r - G_j) on the rows
-    j < r, else 0. Both <= 1."""
-    left: jax.Array
-    right: jax.Array
+class SubChunkSpecs(NamedTuple):
+    """BlockSpecs of a grid over (chunk, batch, head, sub-chunk) on chunk-layout arrays:
+    `chunk(d)` the whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of
+    [NT, B, HV, C]; `rows(d)` and `rows_vec` the program's sub-chunk, S rows."""
+    chunk: Callable
+    chunk_vec: pl.BlockSpec
+    rows: Callable
+    rows_vec: pl.BlockSpec
 
 
-def sub_chunks(G) -> list[SubChunk]:
-    """The factors of sub-chunks 1 .. C/S - 1 (sub-chunk 0 has no rows before it)."""
-    C = G.shape[0]
-    rows = iota(G.shape, 0)
-    out = []
-    for r in range(SUB_CHUNK, C, SUB_CHUNK):
-        G_r = row_of(G, r)
-        in_b = (rows >= r) & (rows < r + SUB_CHUNK)
-        out.append(SubChunk(jnp.exp(jnp.where(in_b, G - G_r, -jnp.inf)),
-                            jnp.exp(jnp.where(rows < r, G_r - G, -jnp.inf))))
-    return out
+def sub_chunk_specs(C: int) -> SubChunkSpecs:
+    S = SUB_CHUNK
+    return SubChunkSpecs(
+        chunk=lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h, s: (t, b, h, 0, 0)),
+        chunk_vec=pl.BlockSpec((None, None, None, C), lambda t, b, h, s: (t, b, h, 0)),
+        rows=lambda d: pl.BlockSpec((None, None, None, S, d), lambda t, b, h, s: (t, b, h, s, 0)),
+        rows_vec=pl.BlockSpec((None, None, None, S), lambda t, b, h, s: (t, b, h, s)),
+    )
+
+
+class SubChunk:
+    """This program's sub-chunk (grid axis 3): first row r, local rows l = 0 .. S - 1 [S],
+    and loaders of its rows (or of rows idx [S] of the chunk) of a block of columns."""
+
+    def __init__(self):
+        self.first = pl.program_id(3) * SUB_CHUNK
+        self.last = self.first + SUB_CHUNK - 1
+        self.local = iota((SUB_CHUNK,), 0)
+
+    def rows(self, ref, cols):
+        """Its S rows of the chunk tile ref, float32 [S, bk]."""
+        return f32(ref[pl.ds(self.first, SUB_CHUNK), cols])
+
+    def gather(self, ref, local_idx, cols):
+        """Rows first + local_idx (local_idx [S], clipped into the sub-chunk) of ref, float32."""
+        idx = self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
+        return f32(ref[idx, cols])
+
+    def gather_vec(self, ref, local_idx):
+        idx = self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
+        return f32(ref[idx])
+
+    def columns(self, C: int):
+        """The chunk column of each entry of an [S, C] tile, [S, C]."""
+        return iota((SUB_CHUNK, C), 1)
+
+    def diagonal(self, C: int):
+        """[S, C] mask of the entries (i, i) of the sub-chunk's rows of a [C, C] matrix."""
+        return self.columns(C) == self.first + self.local[:, None]
+
+
+class ChannelGates:
+    """Gate terms of one block of channels for a sub-chunk program, from the chunk cumsum
+    G [C, bk] (computed once, outside the kernels, so that every program reads the same
+    rounded values) and g on the sub-chunk's rows (for ``within_sub_chunk``)."""
+
+    def __init__(self, G_ref, g_ref, cols, sc: SubChunk):
+        self.G_ref, self.g_ref, self.cols, self.sc = G_ref, g_ref, cols, sc
+        self.G = f32(G_ref[:, cols])
+        self.G_own = sc.rows(G_ref, cols)
+
+    def _row(self, i):
+        return f32(self.G_ref[pl.ds(i, 1), self.cols])
+
+    def row_factors(self) -> "RowFactors":
+        """left = exp(G_i - G_r) on the sub-chunk's rows [S, bk]; right = exp(G_r - G_j) on
+        the chunk's rows j < r, else 0 [C, bk]."""
+        G_r = self._row(self.sc.first)
+        right = jnp.exp(jnp.where(iota(self.G.shape, 0) < self.sc.first, G_r - self.G,
+                                  -jnp.inf))
+        return RowFactors(jnp.exp(self.G_own - G_r), right)
+
+    def column_factors(self) -> "ColumnFactors":
+        """left = exp(G_i - G_e) on the chunk's rows i > e, else 0 [C, bk]; right =
+        exp(G_e - G_j) on the sub-chunk's rows [S, bk]."""
+        G_e = self._row(self.sc.last)
+        left = jnp.exp(jnp.where(iota(self.G.shape, 0) > self.sc.last, self.G - G_e, -jnp.inf))
+        return ColumnFactors(left, jnp.exp(G_e - self.G_own))
+
+
+class RowFactors(NamedTuple):
+    left: jax.Array       # [S, bk]
+    right: jax.Array      # [C, bk]
+
+
+class ColumnFactors(NamedTuple):
+    left: jax.Array       # [C, bk]
+    right: jax.Array      # [S, bk]
 
 
 class Step(NamedTuple):
-    """One distance delta of ``within_sub_chunks``: partner [C] (row i's partner p, i - delta
-    or i + delta, clipped into the chunk), same [C] (p lies in i's sub-chunk), decay
-    [C, bk] = exp(sum of g over the rows strictly after min(i, p) up to max(i, p)) where
-    same, else 0."""
+    """One distance delta of ``within_sub_chunk`` for the sub-chunk's local rows l: partner
+    [S] (l - delta downward, l + delta upward, clipped into the sub-chunk), same [S] (the
+    partner lies in the sub-chunk), column [S] (the partner's chunk row), decay [S, bk] =
+    exp(sum of g over the rows strictly after min(l, p) up to max(l, p)) where same, else 0."""
     delta: jax.Array
     partner: jax.Array
     same: jax.Array
+    column: jax.Array
     decay: jax.Array
 
 
-def within_sub_chunks(g_rows: Callable, C: int, bk: int, body: Callable, acc, *,
-                      upward: bool):
-    """Folds body(step, acc) -> acc over delta = 1 .. S - 1, the pairs (i, p) in one
-    sub-chunk at distance delta: p = i - delta (downward) or p = i + delta (upward).
-    g_rows(idx [C]) loads the rows idx of the block of g, [C, bk]."""
-    rows = iota((C,), 0)
-    pos = rows % SUB_CHUNK
+def within_sub_chunk(sc: SubChunk, gates: ChannelGates, body: Callable, acc, *, upward: bool):
+    """Folds body(step, acc) -> acc over delta = 1 .. S - 1, the pairs (l, p) of the
+    sub-chunk at distance delta: p = l - delta (downward: l the later row) or p = l + delta
+    (upward: l the earlier row)."""
+    l = sc.local
 
     def step(delta, carry):
         partial, acc = carry
         if upward:
-            partner, same, joining = rows + delta, pos + delta < SUB_CHUNK, rows + delta
+            partner, same, joining = l + delta, l + delta < SUB_CHUNK, l + delta
         else:
-            partner, same, joining = rows - delta, pos >= delta, rows - delta + 1
-        clip = lambda idx: jnp.clip(idx, 0, C - 1)
-        partial = partial + g_rows(clip(joining)).astype(jnp.float32)
+            partner, same, joining = l - delta, l >= delta, l - delta + 1
+        partial = partial + sc.gather(gates.g_ref, joining, gates.cols)
         decay = jnp.exp(jnp.where(same[:, None], partial, -jnp.inf))
-        return partial, body(Step(delta, clip(partner), same, decay), acc)
+        column = sc.first + jnp.clip(partner, 0, SUB_CHUNK - 1)
+        return partial, body(Step(delta, partner, same, column, decay), acc)
 
-    zero = jnp.zeros((C, bk), jnp.float32)
+    zero = jnp.zeros(gates.G_own.shape, jnp.float32)
     return lax.fori_loop(1, SUB_CHUNK, step, (zero, acc))[1]
 
 
-def band(m, delta, *, upward: bool):
-    """The entries M_{i, i - delta} (upward: M_{i + delta, i}) of a [C, C] m, by row i, [C]."""
-    at = iota(m.shape, 0) - iota(m.shape, 1)          # i - j
-    hit = jnp.where(at == delta, m, 0.0)
-    return jnp.sum(hit, axis=0) if upward else jnp.sum(hit, axis=1)
+def place(step: Step, value, C: int):
+    """An [S, C] tile with value [S] at (l, step.column) where step.same, else 0."""
+    hit = (iota((SUB_CHUNK, C), 1) == step.column[:, None]) & step.same[:, None]
+    return jnp.where(hit, value[:, None], 0.0)
 
 
-def gated_sum(m, G, z, z_rows: Callable, product, *, columns: bool, g_rows: Callable):
-    """The gated sums of the module docstring for a [C, bk] block of channels, z [C, bk]
-    float32 and z_rows(idx) its rows idx; product: the matrix product (fp32 operands).
-
-        columns False:  R_id = sum_{j < i} m_ij z_jd exp(G_id - G_jd)
-        columns True:   Q_jd = sum_{i > j} m_ij z_id exp(G_id - G_jd)
-
-    Across sub-chunks, the sub-chunk factor on the summed side scales z before the product
-    and the other scales the result; within a sub-chunk the loop runs downward (rows) or
-    upward (columns)."""
-    C, bk = G.shape
-    acc = jnp.zeros((C, bk), jnp.float32)
-    for sc in sub_chunks(G):
-        if columns:
-            acc = acc + sc.right * product(m.T, z * sc.left)
-        else:
-            acc = acc + sc.left * product(m, z * sc.right)
-
-    def body(s: Step, acc):
-        return acc + band(m, s.delta, upward=columns)[:, None] * z_rows(s.partner) * s.decay
-
-    return within_sub_chunks(g_rows, C, bk, body, acc, upward=columns)
+def band(m, step: Step):
+    """The entries m[l, step.column] of an [S, C] tile m, by local row, [S] (0 where the
+    partner is outside the sub-chunk)."""
+    hit = (iota(m.shape, 1) == step.column[:, None]) & step.same[:, None]
+    return jnp.sum(jnp.where(hit, m, 0.0), axis=1)

@@ -34,9 +34,11 @@ the products take bf16 operands (fp32 tiles rounded), as in FLA's backward.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.channel import ChannelBlock, f32, gated_sum, iota
+from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk, band,
+                                  check_chunk, f32, iota, sub_chunk_specs, within_sub_chunk)
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -52,7 +54,7 @@ def _sum_products(product, xs, ys):
     return sum(product(x, y.T) for x, y in zip(xs, ys))
 
 
-_InterRefs = refs_type("_InterRefs", "q k g do h v_new x dvn dq dk1 dw dg1")
+_InterRefs = refs_type("_InterRefs", "q k g do h v_new x dvn dq dk dw dg mq")
 
 
 def _inter_kernel(*refs, names, scale, dots, blocks):
@@ -63,10 +65,9 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     dot = dots.plain
     value_cols = [pl.ds(j * bv, bv) for j in range(V // bv)]
     do = [f32(r.do[:, c]) for c in value_cols]
-    dattn = _sum_products(dot, do, [f32(r.v_new[:, c]) for c in value_cols])
-    eye = iota((C, C), 0) == iota((C, C), 1)
-    m = jnp.where(iota((C, C), 0) >= iota((C, C), 1), dattn * scale, 0.0)
-    m_diagonal = jnp.sum(jnp.where(eye, m, 0.0), axis=1)[:, None]
+    v_new = [f32(r.v_new[:, c]) for c in value_cols]
+    dattn = _sum_products(dot, do, v_new)
+    r.mq[...] = jnp.where(iota((C, C), 0) >= iota((C, C), 1), dattn * scale, 0.0)
     last_row = iota((C, bk), 0) == C - 1
     for i in range(K // bk):
         ch = ChannelBlock(r.g, i, bk)
@@ -74,21 +75,18 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
         h = _state_tiles(r.h, ch.cols, V, bv)
         x = _state_tiles(r.x, ch.cols, V, bv)
         dqg = _sum_products(dot, do, h) * (ch.eg * scale)
-        dkd = _sum_products(dot, [f32(r.v_new[:, c]) for c in value_cols], x) * ch.tail
+        dkd = _sum_products(dot, v_new, x) * ch.tail
         r.dw[:, ch.cols] = (-_sum_products(dot, [f32(r.dvn[:, c]) for c in value_cols], h)
                             ).astype(r.dw.dtype)
         d_decay = sum(jnp.sum(hj * xj, axis=1) for hj, xj in zip(h, x))[None, :]
-        rq = gated_sum(m, ch.G, k, ch.rows(r.k), dot, columns=False, g_rows=ch.g_rows)
-        cq = gated_sum(m, ch.G, q, ch.rows(r.q), dot, columns=True, g_rows=ch.g_rows)
-        r.dq[:, ch.cols] = (dqg + rq + m_diagonal * k).astype(r.dq.dtype)
-        r.dk1[:, ch.cols] = (dkd + cq + m_diagonal * q).astype(r.dk1.dtype)
+        r.dq[:, ch.cols] = dqg.astype(r.dq.dtype)
+        r.dk[:, ch.cols] = dkd.astype(r.dk.dtype)
         dkd_k = dkd * k
         dG_last = jnp.sum(dkd_k, axis=0, keepdims=True) + d_decay * ch.last
-        dG = q * (dqg + rq) - k * cq - dkd_k + jnp.where(last_row, dG_last, 0.0)
-        r.dg1[:, ch.cols] = dG
+        r.dg[:, ch.cols] = q * dqg - dkd_k + jnp.where(last_row, dG_last, 0.0)
 
 
-_WYRefs = refs_type("_WYRefs", "k v g beta dk1 w u inv dvn dw dg1 dk dv dg dbeta")
+_WYRefs = refs_type("_WYRefs", "k v g beta w u inv dvn dw dk_in dg_in dk dv dg dbeta da")
 
 
 def _wy_kernel(*refs, names, dots, blocks):
@@ -109,27 +107,76 @@ def _wy_kernel(*refs, names, dots, blocks):
         da = da - dot(dy, f32(r.u[:, cols]).T)
         dbeta = dbeta + jnp.sum(dy * f32(r.v[:, cols]), axis=1)
     for i in range(K // bk):
-        cols = pl.ds(i * bk, bk)
-        da = da - dot(dot_t(inv, f32(r.dw[:, cols])), f32(r.w[:, cols]).T)
-    da = jnp.where(iota((C, C), 0) > iota((C, C), 1), da, 0.0)
-    beta_rows = lambda idx: f32(r.beta[idx])[:, None]
-    for i in range(K // bk):
         ch = ChannelBlock(r.g, i, bk)
         k = ch.load(r.k)
-        # dXk again: cheaper than keeping one [C, bk] block per column block live
-        dxk_eg = dot_t(inv, ch.load(r.dw)) * ch.eg
-        k_rows = ch.rows(r.k)
-        rk = gated_sum(da, ch.G, k, k_rows, dot, columns=False, g_rows=ch.g_rows)
-        ck = gated_sum(da, ch.G, k * beta[:, None], lambda idx: k_rows(idx) * beta_rows(idx),
-                       dot, columns=True, g_rows=ch.g_rows)
-        k_grad = dxk_eg + rk
-        r.dk[:, ch.cols] = (ch.load(r.dk1) + k_grad * beta[:, None] + ck).astype(r.dk.dtype)
-        dbeta = dbeta + jnp.sum(k_grad * k, axis=1)
-        dG = ch.load(r.dg1) + (beta[:, None] * k_grad - ck) * k
-        # reverse cumsum over the rows: dg_s = sum_{i >= s} dG_i
-        r.dg[:, ch.cols] = (jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0)
-                            + dG).astype(r.dg.dtype)
-    r.dbeta[...] = dbeta.astype(r.dbeta.dtype)
+        dxk = dot_t(inv, ch.load(r.dw))
+        da = da - dot(dxk, ch.load(r.w).T)
+        dxk_eg = dxk * ch.eg
+        r.dk[:, ch.cols] = ch.load(r.dk_in) + dxk_eg * beta[:, None]
+        dbeta = dbeta + jnp.sum(dxk_eg * k, axis=1)
+        r.dg[:, ch.cols] = ch.load(r.dg_in) + beta[:, None] * dxk_eg * k
+    r.dbeta[...] = dbeta
+    r.da[...] = jnp.where(iota((C, C), 0) > iota((C, C), 1), da, 0.0)
+
+
+_SumsRefs = refs_type("_SumsRefs", "q k g G beta mq da dq_in dk_in dg_in dbeta_in "
+                                    "dq dk dg dbeta")
+
+
+def _sums_kernel(*refs, names, dots, blocks):
+    """Adds the gated sums of Mq and dA to the S rows of sub-chunk b of dq, dk, dG, dbeta
+    (module docstring, step 3)."""
+    r = named(_SumsRefs, names, refs)
+    C, K = r.k.shape
+    bk = blocks.cols(K)
+    dot = dots.plain
+    sc = SubChunk()
+    own = pl.ds(sc.first, SUB_CHUNK)
+    # the sub-chunk's rows of Mq and dA, and its columns transposed: [S, C] each
+    mq_rows, da_rows = f32(r.mq[own, :]), f32(r.da[own, :])
+    mq_cols, da_cols = f32(r.mq[:, own]).T, f32(r.da[:, own]).T
+    mq_diagonal = jnp.sum(jnp.where(sc.diagonal(C), mq_rows, 0.0), axis=1)[:, None]
+    beta = f32(r.beta[...])[:, None]
+    beta_own = f32(r.beta[own])[:, None]
+    dbeta = f32(r.dbeta_in[...])
+    for j in range(K // bk):
+        cols = pl.ds(j * bk, bk)
+        gates = ChannelGates(r.G, r.g, cols, sc)
+        q, k = f32(r.q[:, cols]), f32(r.k[:, cols])
+        q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
+        # the sub-chunk's rows as the later i, summed over j before the sub-chunk
+        f = gates.row_factors()
+        k_before = k * f.right
+        rq = f.left * dot(mq_rows, k_before)
+        rk = f.left * dot(da_rows, k_before)
+        # the sub-chunk's rows as the earlier j, summed over i after the sub-chunk
+        c = gates.column_factors()
+        cq = c.right * dot(mq_cols, q * c.left)
+        ck = c.right * dot(da_cols, k * beta * c.left)
+
+        def down(s, acc):
+            rq, rk = acc
+            k_partner = sc.gather(r.k, s.partner, cols) * s.decay
+            return (rq + band(mq_rows, s)[:, None] * k_partner,
+                    rk + band(da_rows, s)[:, None] * k_partner)
+
+        def up(s, acc):
+            cq, ck = acc
+            q_partner = sc.gather(r.q, s.partner, cols) * s.decay
+            k_partner = (sc.gather(r.k, s.partner, cols) * s.decay
+                         * sc.gather_vec(r.beta, s.partner)[:, None])
+            return (cq + band(mq_cols, s)[:, None] * q_partner,
+                    ck + band(da_cols, s)[:, None] * k_partner)
+
+        rq, rk = within_sub_chunk(sc, gates, down, (rq, rk), upward=False)
+        cq, ck = within_sub_chunk(sc, gates, up, (cq, ck), upward=True)
+        r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
+        r.dk[:, cols] = (f32(r.dk_in[:, cols]) + cq + mq_diagonal * q_own + beta_own * rk
+                         + ck)
+        r.dg[:, cols] = (f32(r.dg_in[:, cols]) + q_own * rq - k_own * cq
+                         + (beta_own * rk - ck) * k_own)
+        dbeta = dbeta + jnp.sum(k_own * rk, axis=1)
+    r.dbeta[...] = dbeta
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
@@ -144,11 +191,14 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
+    check_chunk(C)
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
     sp = chunk_specs(C, C)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
-    kw = dict(params=blocks.params(interpret), dots=make_dots(precise, interpret, rounded=True),
-              blocks=blocks)
+    dots = make_dots(precise, interpret, rounded=True)
+    kw = dict(params=blocks.params(interpret), dots=dots, blocks=blocks)
+    f32_like = lambda struct, a: struct(a.shape, jnp.float32)
+    square = (NT, B, HV, C, C)
 
     inter = Operands()
     for name, spec, val in (("q", sp.tile(K), q), ("k", sp.tile(K), k), ("g", sp.tile(K), g),
@@ -158,27 +208,53 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
         inter.add(name, spec, val)
 
     def inter_outs(out, struct):
-        out.add("dq", sp.tile(K), struct(q.shape, jnp.float32))
-        out.add("dk1", sp.tile(K), struct(k.shape, jnp.float32))
-        out.add("dw", sp.tile(K), struct(k.shape, jnp.float32))
-        out.add("dg1", sp.tile(K), struct(g.shape, jnp.float32))
+        for name in ("dq", "dk", "dw", "dg"):
+            out.add(name, sp.tile(K), f32_like(struct, k))
+        out.add("mq", sp.tile(C), struct(square, jnp.float32))
 
     step1, _ = call(_inter_kernel, (NT, B, HV), inter, inter_outs, name="kda_grads_inter",
                     scale=scale, **kw)
 
     wy = Operands()
     for name, spec, val in (("k", sp.tile(K), k), ("v", sp.tile(V), v), ("g", sp.tile(K), g),
-                            ("beta", sp.vec, beta), ("dk1", sp.tile(K), step1["dk1"]),
-                            ("w", sp.tile(K), terms.w), ("u", sp.tile(V), terms.u),
-                            ("inv", sp.tile(C), terms.inv), ("dvn", sp.tile(V), dvn),
-                            ("dw", sp.tile(K), step1["dw"]), ("dg1", sp.tile(K), step1["dg1"])):
+                            ("beta", sp.vec, beta), ("w", sp.tile(K), terms.w),
+                            ("u", sp.tile(V), terms.u), ("inv", sp.tile(C), terms.inv),
+                            ("dvn", sp.tile(V), dvn), ("dw", sp.tile(K), step1["dw"]),
+                            ("dk_in", sp.tile(K), step1["dk"]),
+                            ("dg_in", sp.tile(K), step1["dg"])):
         wy.add(name, spec, val)
 
     def wy_outs(out, struct):
-        out.add("dk", sp.tile(K), struct(k.shape, jnp.float32))
-        out.add("dv", sp.tile(V), struct(v.shape, jnp.float32))
-        out.add("dg", sp.tile(K), struct(g.shape, jnp.float32))
-        out.add("dbeta", sp.vec, struct(beta.shape, jnp.float32))
+        out.add("dk", sp.tile(K), f32_like(struct, k))
+        out.add("dv", sp.tile(V), f32_like(struct, v))
+        out.add("dg", sp.tile(K), f32_like(struct, g))
+        out.add("dbeta", sp.vec, f32_like(struct, beta))
+        out.add("da", sp.tile(C), struct(square, jnp.float32))
 
-    step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy", **kw)
-    return step1["dq"], step2["dk"], step2["dv"], step2["dg"], step2["dbeta"]
+    step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy",
+                    aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
+
+    ss = sub_chunk_specs(C)
+    sums = Operands()
+    for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k),
+                            ("g", ss.chunk(K), g), ("G", ss.chunk(K), jnp.cumsum(g, axis=3)),
+                            ("beta", ss.chunk_vec, beta),
+                            ("mq", ss.chunk(C), step1["mq"]), ("da", ss.chunk(C), step2["da"]),
+                            ("dq_in", ss.rows(K), step1["dq"]),
+                            ("dk_in", ss.rows(K), step2["dk"]),
+                            ("dg_in", ss.rows(K), step2["dg"]),
+                            ("dbeta_in", ss.rows_vec, step2["dbeta"])):
+        sums.add(name, spec, val)
+
+    def sums_outs(out, struct):
+        for name in ("dq", "dk", "dg"):
+            out.add(name, ss.rows(K), f32_like(struct, k))
+        out.add("dbeta", ss.rows_vec, f32_like(struct, beta))
+
+    step3, _ = call(_sums_kernel, (NT, B, HV, C // SUB_CHUNK), sums, sums_outs,
+                    name="kda_grads_gated_sums",
+                    aliases={"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"},
+                    **kw)
+    # dg_s = sum_{i >= s} dG_i over the chunk's rows
+    dg = lax.cumsum(step3["dg"], axis=3, reverse=True)
+    return step3["dq"], step3["dk"], step2["dv"], dg, step3["dbeta"]

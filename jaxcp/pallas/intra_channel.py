@@ -1,7 +1,7 @@
-"""Pallas (Triton-lowered) intra-chunk terms of KDA: two kernels, each one program per
-(chunk, batch, head): the gated sums A and attn (``gated_sums``), then T = (I + A)^-1 and
-the tiles of the state recurrences (``wy_terms``). Split so that neither holds the other's
-tiles in registers; the backward reruns only the second, from the T the forward kept.
+"""Pallas (Triton-lowered) intra-chunk terms of KDA: two kernels, the gated sums A and attn
+(``gated_sums``, one program per (chunk, batch, head, sub-chunk of 16 rows)), then
+T = (I + A)^-1 and the tiles of the state recurrences (``wy_terms``, one program per
+(chunk, batch, head)). The backward reruns only the second, from the T the forward kept.
 
 Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``), in the
 chunk layout: q, k [NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, K] (natural-log
@@ -18,8 +18,8 @@ is not a matrix product: the decay differs per channel. It is computed in two pa
 sub-chunks of S = 16 rows, so that no factor exceeds 1 whatever the gates:
 
 - j before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
-  exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so these blocks are tensor-core
-  products (x exp(G - G_r)) (k exp(G_r - G))^T, one per sub-chunk;
+  exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so the sub-chunk's rows are one
+  tensor-core product (x exp(G - G_r)) (k exp(G_r - G))^T [S, C];
 - j in the sub-chunk of i: token by token in the distance delta = i - j (1 .. S - 1), each
   exp(sum_{s = j+1 .. i} g_s) from a partial sum grown by one row of g per step, so that it
   is exact to rounding even for gates of -1e3 (no difference of two large cumsums).
@@ -35,79 +35,49 @@ add up over the blocks. A and attn pass between the kernels in float32 ([C, C] p
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, f32, iota, sub_chunks,
-                                  within_sub_chunks)
+from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
+                                  check_chunk, f32, place, sub_chunk_specs, within_sub_chunk)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
-def _cross_sub_chunks(q, k, G, products, a_kk, a_qk):
-    """Adds to a_kk, a_qk [C, C] the parts of sum_d x_id k_jd exp(G_id - G_jd) (x = k, then
-    q) with j before the sub-chunk of i, for one block of channels."""
-    for sc in sub_chunks(G):
-        right = (k * sc.right).T
-        a_kk = a_kk + products(k * sc.left, right)
-        a_qk = a_qk + products(q * sc.left, right)
-    return a_kk, a_qk
-
-
-def _within_sub_chunks(q, k, ch: ChannelBlock, k_ref, by_delta):
-    """Adds to by_delta = (kk, qk) [C, S] the sums sum_d x_id k_jd exp(G_id - G_jd) of the
-    pairs j = i - delta in i's sub-chunk (x = k, q) at column delta, for the block of
-    channels ch of k_ref. Carrying [C, S] instead of [C, C] accumulators through
-    the loop keeps the kernel inside the registers."""
-    C, bk = k.shape
-    at_delta = lambda s, x: jnp.where(iota((C, SUB_CHUNK), 1) == s.delta,
-                                      jnp.sum(x, axis=1)[:, None], 0.0)
-
-    def body(s, acc):
-        kk, qk = acc
-        e = s.decay * ch.rows(k_ref)(s.partner)
-        return kk + at_delta(s, k * e), qk + at_delta(s, q * e)
-
-    return within_sub_chunks(ch.g_rows, C, bk, body, by_delta, upward=False)
-
-
-def _spread(by_delta, a):
-    """a [C, C] plus by_delta [C, S] placed on the bands: a_{i, i - delta} += by_delta[i, delta]."""
-    C = a.shape[0]
-    at = iota((C, C), 0) - iota((C, C), 1)
-    for delta in range(1, SUB_CHUNK):
-        a = a + jnp.where(at == delta, _column(by_delta, delta)[:, None], 0.0)
-    return a
-
-
-def _column(x, j: int):
-    """Column j of a [C, n] tile as [C]."""
-    return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0.0), axis=1)
-
-
-_SumsRefs = refs_type("_SumsRefs", "q k g beta a attn")
+_SumsRefs = refs_type("_SumsRefs", "q k g G beta a attn")
 
 
 def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
-    """A = strict_lower(beta_i sum_d k_id k_jd E_ijd), attn = scale lower(sum_d q_id k_jd
-    E_ijd) of one (chunk, head)."""
+    """The S rows of sub-chunk b of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and
+    attn = scale lower(sum_d q_id k_jd E_ijd), [S, C] each, of one (chunk, head)."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
     bk = blocks.cols(K)
-    a_kk = a_qk = jnp.zeros((C, C), jnp.float32)
-    by_delta = (jnp.zeros((C, SUB_CHUNK), jnp.float32),) * 2
-    qk_diagonal = jnp.zeros((C,), jnp.float32)          # j = i, decay 1
+    sc = SubChunk()
+    a = attn = jnp.zeros((SUB_CHUNK, C), jnp.float32)
+    qk_diagonal = jnp.zeros((SUB_CHUNK,), jnp.float32)          # j = i, decay 1
     for j in range(K // bk):
-        ch = ChannelBlock(r.g, j, bk)
-        q, k = ch.load(r.q), ch.load(r.k)
-        a_kk, a_qk = _cross_sub_chunks(q, k, ch.G, dots.plain, a_kk, a_qk)
-        by_delta = _within_sub_chunks(q, k, ch, r.k, by_delta)
-        qk_diagonal = qk_diagonal + jnp.sum(q * k, axis=1)
-    a_qk = _spread(by_delta[1], a_qk) + jnp.where(iota((C, C), 0) == iota((C, C), 1),
-                                                  qk_diagonal[:, None], 0.0)
-    r.attn[...] = (a_qk * scale).astype(r.attn.dtype)
-    r.a[...] = (f32(r.beta[...])[:, None] * _spread(by_delta[0], a_kk)).astype(r.a.dtype)
+        cols = pl.ds(j * bk, bk)
+        gates = ChannelGates(r.G, r.g, cols, sc)
+        q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
+        # j before the sub-chunk: through its first row
+        f = gates.row_factors()
+        k_before = (f32(r.k[:, cols]) * f.right).T
+        a = a + dots.plain(k_own * f.left, k_before)
+        attn = attn + dots.plain(q_own * f.left, k_before)
+
+        # j inside the sub-chunk: token by token
+        def body(s, acc):
+            a, attn = acc
+            k_partner = sc.gather(r.k, s.partner, cols) * s.decay
+            return (a + place(s, jnp.sum(k_own * k_partner, axis=1), C),
+                    attn + place(s, jnp.sum(q_own * k_partner, axis=1), C))
+
+        a, attn = within_sub_chunk(sc, gates, body, (a, attn), upward=False)
+        qk_diagonal = qk_diagonal + jnp.sum(q_own * k_own, axis=1)
+    attn = attn + jnp.where(sc.diagonal(C), qk_diagonal[:, None], 0.0)
+    r.attn[...] = (attn * scale).astype(r.attn.dtype)
+    r.a[...] = (f32(r.beta[...])[:, None] * a).astype(r.a.dtype)
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay", "a inv_in inv")
@@ -139,31 +109,26 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.u[:, cols] = dots.plain(inv_beta, f32(r.v[:, cols])).astype(r.u.dtype)
 
 
-def _check_chunk(C: int) -> None:
-    if C % SUB_CHUNK:
-        raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK} for the Pallas KDA "
-                         f"kernels, got {C}")
-
-
 def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise: bool = True,
                blocks: ChunkBlocks | None = None):
     """(A, attn) [NT, B, HV, C, C] float32: A = strict_lower(beta_i sum_d k_id k_jd
     exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
-    cumsum of g (module docstring). Shapes and precise as in ``intra_chunk``."""
+    cumsum of g (module docstring), one program per (chunk, batch, head, sub-chunk of 16
+    rows). Shapes and precise as in ``intra_chunk``."""
     NT, B, HV, C, K = k.shape
-    _check_chunk(C)
+    check_chunk(C)
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
-    sp = chunk_specs(C, C)
+    sp = sub_chunk_specs(C)
     ins = Operands()
-    for name, x in (("q", q), ("k", k), ("g", g)):
-        ins.add(name, sp.tile(K), x)
-    ins.add("beta", sp.vec, beta)
+    for name, x in (("q", q), ("k", k), ("g", g), ("G", jnp.cumsum(g, axis=3))):
+        ins.add(name, sp.chunk(K), x)
+    ins.add("beta", sp.rows_vec, beta)
 
     def outs(out, struct):
-        out.add("a", sp.tile(C), struct((NT, B, HV, C, C), jnp.float32))
-        out.add("attn", sp.tile(C), struct((NT, B, HV, C, C), jnp.float32))
+        out.add("a", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
+        out.add("attn", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
 
-    res, _ = call(_sums_kernel, (NT, B, HV), ins, outs, name="kda_gated_sums",
+    res, _ = call(_sums_kernel, (NT, B, HV, C // SUB_CHUNK), ins, outs, name="kda_gated_sums",
                   params=blocks.params(interpret), scale=scale,
                   dots=make_dots(precise, interpret), blocks=blocks)
     return res["a"], res["attn"]
@@ -179,7 +144,7 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
         raise ValueError("wy_terms: give exactly one of a and inv")
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
-    _check_chunk(C)
+    check_chunk(C)
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
     sp = chunk_specs(C, C)
     ins = Operands()
