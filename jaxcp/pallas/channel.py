@@ -57,13 +57,13 @@ def check_chunk(C: int) -> None:
 
 
 class ChannelBlock:
-    """Block i of bk key columns of a whole-chunk program's [C, K] tiles: its column slice,
+    """The bk key columns from start of a whole-chunk program's [C, K] tiles: their slice,
     a loader of the block of a [C, K] ref, and the gate terms G = cumsum(g) and, when read,
     exp(G), exp(G_C - G) and exp(G_C) [1, bk]. G_C is the cumsum's own last row, so that
     G_C - G is rounded as G is."""
 
-    def __init__(self, g_ref, i: int, bk: int):
-        self.cols = pl.ds(i * bk, bk)
+    def __init__(self, g_ref, start, bk: int):
+        self.cols = pl.ds(start, bk)
         self.G = jnp.cumsum(f32(g_ref[:, self.cols]), axis=0)
 
     @cached_property
@@ -89,9 +89,11 @@ class ChannelBlock:
 class SubChunkSpecs(NamedTuple):
     """BlockSpecs of a grid over (chunk, batch, head, sub-chunk) on chunk-layout arrays:
     `chunk(d)` the whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of
-    [NT, B, HV, C]; `rows(d)` and `rows_vec` the program's sub-chunk, S rows."""
+    [NT, B, HV, C], `square_flat` a [C, C] matrix per chunk as [NT, B, HV, C * C];
+    `rows(d)` and `rows_vec` the program's sub-chunk, S rows."""
     chunk: Callable
     chunk_vec: pl.BlockSpec
+    square_flat: pl.BlockSpec
     rows: Callable
     rows_vec: pl.BlockSpec
 
@@ -101,6 +103,7 @@ def sub_chunk_specs(C: int) -> SubChunkSpecs:
     return SubChunkSpecs(
         chunk=lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h, s: (t, b, h, 0, 0)),
         chunk_vec=pl.BlockSpec((None, None, None, C), lambda t, b, h, s: (t, b, h, 0)),
+        square_flat=pl.BlockSpec((None, None, None, C * C), lambda t, b, h, s: (t, b, h, 0)),
         rows=lambda d: pl.BlockSpec((None, None, None, S, d), lambda t, b, h, s: (t, b, h, s, 0)),
         rows_vec=pl.BlockSpec((None, None, None, S), lambda t, b, h, s: (t, b, h, s)),
     )
@@ -127,6 +130,16 @@ class SubChunk:
     def gather_vec(self, ref, local_idx):
         idx = self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
         return f32(ref[idx])
+
+    def band_of(self, m_flat, step, C: int, *, transposed: bool):
+        """Entries of a [C, C] matrix m (given as m_flat [C * C]) by local row l, [S]: at
+        step (a ``Step``) m[first + l, partner] (transposed: m[partner, first + l]), 0 where
+        the partner is outside the sub-chunk; at step 0 the diagonal m[first + l, first + l]."""
+        own = self.first + self.local
+        if isinstance(step, int):
+            return f32(m_flat[own * (C + 1)])
+        idx = step.column * C + own if transposed else own * C + step.column
+        return jnp.where(step.same, f32(m_flat[idx]), 0.0)
 
     def columns(self, C: int):
         """The chunk column of each entry of an [S, C] tile, [S, C]."""

@@ -37,16 +37,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk, band,
+from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   check_chunk, f32, iota, sub_chunk_specs, within_sub_chunk)
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
-
-
-def _state_tiles(ref, cols, V: int, bv: int):
-    return [f32(ref[cols, pl.ds(j * bv, bv)]) for j in range(V // bv)]
 
 
 def _sum_products(product, xs, ys):
@@ -64,26 +60,38 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     bk, bv = blocks.cols(K), blocks.cols(V)
     dot = dots.plain
     value_cols = [pl.ds(j * bv, bv) for j in range(V // bv)]
-    do = [f32(r.do[:, c]) for c in value_cols]
-    v_new = [f32(r.v_new[:, c]) for c in value_cols]
-    dattn = _sum_products(dot, do, v_new)
+    tiles = lambda ref: [f32(ref[:, c]) for c in value_cols]
+    dattn = _sum_products(dot, tiles(r.do), tiles(r.v_new))
     r.mq[...] = jnp.where(iota((C, C), 0) >= iota((C, C), 1), dattn * scale, 0.0)
     last_row = iota((C, bk), 0) == C - 1
-    for i in range(K // bk):
-        ch = ChannelBlock(r.g, i, bk)
-        q, k = ch.load(r.q), ch.load(r.k)
-        h = _state_tiles(r.h, ch.cols, V, bv)
-        x = _state_tiles(r.x, ch.cols, V, bv)
-        dqg = _sum_products(dot, do, h) * (ch.eg * scale)
-        dkd = _sum_products(dot, v_new, x) * ch.tail
-        r.dw[:, ch.cols] = (-_sum_products(dot, [f32(r.dvn[:, c]) for c in value_cols], h)
-                            ).astype(r.dw.dtype)
-        d_decay = sum(jnp.sum(hj * xj, axis=1) for hj, xj in zip(h, x))[None, :]
-        r.dq[:, ch.cols] = dqg.astype(r.dq.dtype)
-        r.dk[:, ch.cols] = dkd.astype(r.dk.dtype)
-        dkd_k = dkd * k
-        dG_last = jnp.sum(dkd_k, axis=0, keepdims=True) + d_decay * ch.last
-        r.dg[:, ch.cols] = q * dqg - dkd_k + jnp.where(last_row, dG_last, 0.0)
+
+    # loops, not unrolled, so that no block's tiles are live in another's
+    def block(i, carry):
+        ch = ChannelBlock(r.g, pl.multiple_of(i * bk, bk), bk)
+
+        def value_block(j, acc):
+            dqg, dkd, dw, d_decay = acc
+            vcols = pl.ds(pl.multiple_of(j * bv, bv), bv)
+            h, x = f32(r.h[ch.cols, vcols]), f32(r.x[ch.cols, vcols])
+            return (dqg + dot(f32(r.do[:, vcols]), h.T),
+                    dkd + dot(f32(r.v_new[:, vcols]), x.T),
+                    dw - dot(f32(r.dvn[:, vcols]), h.T),
+                    d_decay + jnp.sum(h * x, axis=1))
+
+        zero = jnp.zeros((C, bk), jnp.float32)
+        dqg, dkd, dw, d_decay = lax.fori_loop(0, V // bv, value_block,
+                                              (zero, zero, zero, jnp.zeros((bk,), jnp.float32)))
+        dqg = dqg * (ch.eg * scale)
+        dkd = dkd * ch.tail
+        r.dw[:, ch.cols] = dw
+        r.dq[:, ch.cols] = dqg
+        r.dk[:, ch.cols] = dkd
+        dkd_k = dkd * ch.load(r.k)
+        dG_last = jnp.sum(dkd_k, axis=0, keepdims=True) + d_decay[None, :] * ch.last
+        r.dg[:, ch.cols] = ch.load(r.q) * dqg - dkd_k + jnp.where(last_row, dG_last, 0.0)
+        return carry
+
+    lax.fori_loop(0, K // bk, block, 0)
 
 
 _WYRefs = refs_type("_WYRefs", "k v g beta w u inv dvn dw dk_in dg_in dk dv dg dbeta da")
@@ -96,87 +104,93 @@ def _wy_kernel(*refs, names, dots, blocks):
     bk, bv = blocks.cols(K), blocks.cols(V)
     dot = dots.plain
     dot_t = lambda a, b: dot(a.T, b)
-    inv = f32(r.inv[...])
-    beta = f32(r.beta[...])
-    da = jnp.zeros((C, C), jnp.float32)
-    dbeta = jnp.zeros((C,), jnp.float32)
-    for j in range(V // bv):
-        cols = pl.ds(j * bv, bv)
-        dy = dot_t(inv, f32(r.dvn[:, cols]))
-        r.dv[:, cols] = (dy * beta[:, None]).astype(r.dv.dtype)
-        da = da - dot(dy, f32(r.u[:, cols]).T)
-        dbeta = dbeta + jnp.sum(dy * f32(r.v[:, cols]), axis=1)
-    for i in range(K // bk):
-        ch = ChannelBlock(r.g, i, bk)
+    beta = f32(r.beta[...])[:, None]
+
+    def value_block(j, carry):
+        da, dbeta = carry
+        cols = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        dy = dot_t(f32(r.inv[...]), f32(r.dvn[:, cols]))
+        r.dv[:, cols] = dy * beta
+        return (da - dot(dy, f32(r.u[:, cols]).T),
+                dbeta + jnp.sum(dy * f32(r.v[:, cols]), axis=1))
+
+    def key_block(i, carry):
+        da, dbeta = carry
+        ch = ChannelBlock(r.g, pl.multiple_of(i * bk, bk), bk)
         k = ch.load(r.k)
-        dxk = dot_t(inv, ch.load(r.dw))
+        dxk = dot_t(f32(r.inv[...]), ch.load(r.dw))
         da = da - dot(dxk, ch.load(r.w).T)
         dxk_eg = dxk * ch.eg
-        r.dk[:, ch.cols] = ch.load(r.dk_in) + dxk_eg * beta[:, None]
-        dbeta = dbeta + jnp.sum(dxk_eg * k, axis=1)
-        r.dg[:, ch.cols] = ch.load(r.dg_in) + beta[:, None] * dxk_eg * k
+        r.dk[:, ch.cols] = ch.load(r.dk_in) + dxk_eg * beta
+        r.dg[:, ch.cols] = ch.load(r.dg_in) + beta * dxk_eg * k
+        return da, dbeta + jnp.sum(dxk_eg * k, axis=1)
+
+    carry = (jnp.zeros((C, C), jnp.float32), jnp.zeros((C,), jnp.float32))
+    carry = lax.fori_loop(0, V // bv, value_block, carry)
+    da, dbeta = lax.fori_loop(0, K // bk, key_block, carry)
     r.dbeta[...] = dbeta
     r.da[...] = jnp.where(iota((C, C), 0) > iota((C, C), 1), da, 0.0)
 
 
-_SumsRefs = refs_type("_SumsRefs", "q k g G beta mq da dq_in dk_in dg_in dbeta_in "
-                                    "dq dk dg dbeta")
+_SumsRefs = refs_type("_SumsRefs", "q k g G beta mq da mq_flat da_flat dq_in dk_in dg_in "
+                                    "dbeta_in dq dk dg dbeta")
 
 
 def _sums_kernel(*refs, names, dots, blocks):
     """Adds the gated sums of Mq and dA to the S rows of sub-chunk b of dq, dk, dG, dbeta
-    (module docstring, step 3)."""
+    (module docstring, step 3). mq_flat, da_flat: Mq and dA as [C * C], for the entries
+    near the diagonal that the loops within the sub-chunk gather."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
     bk = blocks.cols(K)
     dot = dots.plain
     sc = SubChunk()
     own = pl.ds(sc.first, SUB_CHUNK)
-    # the sub-chunk's rows of Mq and dA, and its columns transposed: [S, C] each
-    mq_rows, da_rows = f32(r.mq[own, :]), f32(r.da[own, :])
-    mq_cols, da_cols = f32(r.mq[:, own]).T, f32(r.da[:, own]).T
-    mq_diagonal = jnp.sum(jnp.where(sc.diagonal(C), mq_rows, 0.0), axis=1)[:, None]
-    beta = f32(r.beta[...])[:, None]
+    mq_diagonal = sc.band_of(r.mq_flat, 0, C, transposed=False)[:, None]
     beta_own = f32(r.beta[own])[:, None]
-    dbeta = f32(r.dbeta_in[...])
-    for j in range(K // bk):
-        cols = pl.ds(j * bk, bk)
+
+    def block(j, dbeta):
+        cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
         gates = ChannelGates(r.G, r.g, cols, sc)
-        q, k = f32(r.q[:, cols]), f32(r.k[:, cols])
         q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
         # the sub-chunk's rows as the later i, summed over j before the sub-chunk
         f = gates.row_factors()
-        k_before = k * f.right
-        rq = f.left * dot(mq_rows, k_before)
-        rk = f.left * dot(da_rows, k_before)
-        # the sub-chunk's rows as the earlier j, summed over i after the sub-chunk
-        c = gates.column_factors()
-        cq = c.right * dot(mq_cols, q * c.left)
-        ck = c.right * dot(da_cols, k * beta * c.left)
+        k_before = f32(r.k[:, cols]) * f.right
+        rq = f.left * dot(f32(r.mq[own, :]), k_before)
+        rk = f.left * dot(f32(r.da[own, :]), k_before)
 
         def down(s, acc):
             rq, rk = acc
             k_partner = sc.gather(r.k, s.partner, cols) * s.decay
-            return (rq + band(mq_rows, s)[:, None] * k_partner,
-                    rk + band(da_rows, s)[:, None] * k_partner)
+            return (rq + sc.band_of(r.mq_flat, s, C, transposed=False)[:, None] * k_partner,
+                    rk + sc.band_of(r.da_flat, s, C, transposed=False)[:, None] * k_partner)
+
+        rq, rk = within_sub_chunk(sc, gates, down, (rq, rk), upward=False)
+        r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
+        dk = f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
+        dg = f32(r.dg_in[:, cols]) + q_own * rq + beta_own * rk * k_own
+        dbeta = dbeta + jnp.sum(k_own * rk, axis=1)
+
+        # the sub-chunk's rows as the earlier j, summed over i after the sub-chunk
+        c = gates.column_factors()
+        cq = c.right * dot(f32(r.mq[:, own]).T, f32(r.q[:, cols]) * c.left)
+        ck = c.right * dot(f32(r.da[:, own]).T,
+                           f32(r.k[:, cols]) * f32(r.beta[...])[:, None] * c.left)
 
         def up(s, acc):
             cq, ck = acc
             q_partner = sc.gather(r.q, s.partner, cols) * s.decay
             k_partner = (sc.gather(r.k, s.partner, cols) * s.decay
                          * sc.gather_vec(r.beta, s.partner)[:, None])
-            return (cq + band(mq_cols, s)[:, None] * q_partner,
-                    ck + band(da_cols, s)[:, None] * k_partner)
+            return (cq + sc.band_of(r.mq_flat, s, C, transposed=True)[:, None] * q_partner,
+                    ck + sc.band_of(r.da_flat, s, C, transposed=True)[:, None] * k_partner)
 
-        rq, rk = within_sub_chunk(sc, gates, down, (rq, rk), upward=False)
         cq, ck = within_sub_chunk(sc, gates, up, (cq, ck), upward=True)
-        r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
-        r.dk[:, cols] = (f32(r.dk_in[:, cols]) + cq + mq_diagonal * q_own + beta_own * rk
-                         + ck)
-        r.dg[:, cols] = (f32(r.dg_in[:, cols]) + q_own * rq - k_own * cq
-                         + (beta_own * rk - ck) * k_own)
-        dbeta = dbeta + jnp.sum(k_own * rk, axis=1)
-    r.dbeta[...] = dbeta
+        r.dk[:, cols] = dk + cq + ck
+        r.dg[:, cols] = dg - (cq + ck) * k_own
+        return dbeta
+
+    r.dbeta[...] = lax.fori_loop(0, K // bk, block, f32(r.dbeta_in[...]))
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
@@ -235,11 +249,14 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                     aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
 
     ss = sub_chunk_specs(C)
+    flat = lambda m: m.reshape(NT, B, HV, C * C)
     sums = Operands()
     for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k),
                             ("g", ss.chunk(K), g), ("G", ss.chunk(K), jnp.cumsum(g, axis=3)),
                             ("beta", ss.chunk_vec, beta),
                             ("mq", ss.chunk(C), step1["mq"]), ("da", ss.chunk(C), step2["da"]),
+                            ("mq_flat", ss.square_flat, flat(step1["mq"])),
+                            ("da_flat", ss.square_flat, flat(step2["da"])),
                             ("dq_in", ss.rows(K), step1["dq"]),
                             ("dk_in", ss.rows(K), step2["dk"]),
                             ("dg_in", ss.rows(K), step2["dg"]),

@@ -98,7 +98,7 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.inv[...] = inv.astype(r.inv.dtype)
     inv_beta = inv * beta[None, :]
     for j in range(K // bk):
-        ch = ChannelBlock(r.g, j, bk)
+        ch = ChannelBlock(r.g, j * bk, bk)
         q, k = ch.load(r.q), ch.load(r.k)
         r.w[:, ch.cols] = dots.plain(inv_beta, k * ch.eg).astype(r.w.dtype)
         r.qg[:, ch.cols] = (q * ch.eg * scale).astype(r.qg.dtype)
