@@ -65,6 +65,13 @@ class ChunkBlocks:
         """Blocks of 64 columns (at K = 256 whole tiles would not fit in registers)."""
         return cls()
 
+    @classmethod
+    def channel_grads(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
+        """KDA's cotangent kernels: two pipeline stages. Their loops over value blocks load
+        five [C, 64] float32 tiles per step; three stages would need 240 KiB of shared
+        memory, over the 227 KiB a block gets on the H100 and the H200."""
+        return cls(num_stages=2)
+
     def cols(self, d: int) -> int:
         """Columns per loop step over a width of d."""
         return min(d, self.col_block)

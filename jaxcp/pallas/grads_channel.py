@@ -200,13 +200,13 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     docstring): (dq, dk, dv, dg, dbeta), float32, shapes of q, k, v, g, beta. terms must
     carry the inverse (``intra_chunk(..., with_inverse=True)``). precise: 3xTF32 products
     (fp32 inputs), else bf16 products. blocks: the launch configuration
-    (``ChunkBlocks.default`` if None)."""
+    (``ChunkBlocks.channel_grads`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     check_chunk(C)
-    blocks = blocks or ChunkBlocks.default(K, q.dtype)
+    blocks = blocks or ChunkBlocks.channel_grads(K, q.dtype)
     sp = chunk_specs(C, C)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     dots = make_dots(precise, interpret, rounded=True)
