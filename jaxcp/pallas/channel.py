@@ -7,18 +7,18 @@ The chunk's C rows are cut into sub-chunks of S = 16 rows, and these kernels run
 program per (chunk, batch, head, sub-chunk b), on [S, bk] tiles: small enough that many
 programs share an SM. Sub-chunk b holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
 
-- i in b, j before b (the rows of b as queries):
-  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1 (``RowFactors``);
-- j in b, i after b (the rows of b as keys):
-  exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j), both factors <= 1 (``ColumnFactors``);
+- i in b, j in a sub-chunk s before b (the rows of b as queries):
+  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1;
+- j in b, i in a sub-chunk s after b (the rows of b as keys):
+  exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j), both factors <= 1;
 - i and j in b: token by token in the distance delta = |i - j| (1 .. S - 1), the decay
   exp(sum of g over the rows j+1 .. i) a partial sum grown by one row of g per step
   (``within_sub_chunk``), exact to rounding even for gates of -1e3, where a difference of
   two cumsums of size ~1e4 keeps few digits.
 
-The first two are tensor-core products of the sub-chunk's [S, C] rows (or columns) of a
-[C, C] matrix with a [C, bk] tile, their factors differences of the chunk cumsum G, as in
-the jnp stages. G comes to the kernels computed once: the row sums of one program and the
+The first two are tensor-core products of [S, S] and [S, bk] tiles, one per other
+sub-chunk s (a loop over the sub-chunks before or after b, so a program holds only [S, *]
+tiles), their factors differences of the chunk cumsum G, as in the jnp stages. G comes to the kernels computed once: the row sums of one program and the
 column sums of another then take the same rounded exponents for a pair (for the nonzero
 decays, whose G_i and G_j are close, the differences are exact), and their terms in dg
 cancel as the exact ones do.
@@ -110,17 +110,25 @@ def sub_chunk_specs(C: int) -> SubChunkSpecs:
 
 
 class SubChunk:
-    """This program's sub-chunk (grid axis 3): first row r, local rows l = 0 .. S - 1 [S],
-    and loaders of its rows (or of rows idx [S] of the chunk) of a block of columns."""
+    """This program's sub-chunk b (grid axis 3): first row r = b S, last row e = r + S - 1,
+    local rows l = 0 .. S - 1 [S]; loaders of the rows of a sub-chunk (this one, or another
+    s) of a block of columns, and gathers of rows r + idx."""
 
     def __init__(self):
-        self.first = pl.program_id(3) * SUB_CHUNK
+        self.index = pl.program_id(3)
+        self.first = self.index * SUB_CHUNK
         self.last = self.first + SUB_CHUNK - 1
         self.local = iota((SUB_CHUNK,), 0)
+        self.own = pl.ds(self.first, SUB_CHUNK)
+
+    @staticmethod
+    def of(s):
+        """The rows of sub-chunk s (static or traced), as a slice."""
+        return pl.ds(pl.multiple_of(s * SUB_CHUNK, SUB_CHUNK), SUB_CHUNK)
 
     def rows(self, ref, cols):
         """Its S rows of the chunk tile ref, float32 [S, bk]."""
-        return f32(ref[pl.ds(self.first, SUB_CHUNK), cols])
+        return f32(ref[self.own, cols])
 
     def gather(self, ref, local_idx, cols):
         """Rows first + local_idx (local_idx [S], clipped into the sub-chunk) of ref, float32."""
@@ -133,71 +141,54 @@ class SubChunk:
 
     def band_of(self, m_flat, step, C: int, *, transposed: bool):
         """Entries of a [C, C] matrix m (given as m_flat [C * C]) by local row l, [S]: at
-        step (a ``Step``) m[first + l, partner] (transposed: m[partner, first + l]), 0 where
-        the partner is outside the sub-chunk; at step 0 the diagonal m[first + l, first + l]."""
+        step (a ``Step``) m[first + l, r + partner] (transposed: m[r + partner, first + l]),
+        0 where the partner is outside the sub-chunk; at step 0 the diagonal
+        m[first + l, first + l]."""
         own = self.first + self.local
         if isinstance(step, int):
             return f32(m_flat[own * (C + 1)])
-        idx = step.column * C + own if transposed else own * C + step.column
+        column = self.first + jnp.clip(step.partner, 0, SUB_CHUNK - 1)
+        idx = column * C + own if transposed else own * C + column
         return jnp.where(step.same, f32(m_flat[idx]), 0.0)
-
-    def columns(self, C: int):
-        """The chunk column of each entry of an [S, C] tile, [S, C]."""
-        return iota((SUB_CHUNK, C), 1)
-
-    def diagonal(self, C: int):
-        """[S, C] mask of the entries (i, i) of the sub-chunk's rows of a [C, C] matrix."""
-        return self.columns(C) == self.first + self.local[:, None]
 
 
 class ChannelGates:
-    """Gate terms of one block of channels for a sub-chunk program, from the chunk cumsum
-    G [C, bk] (computed once, outside the kernels, so that every program reads the same
-    rounded values) and g on the sub-chunk's rows (for ``within_sub_chunk``)."""
+    """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
+    cumsum G (computed once, outside the kernels, so that every program reads the same
+    rounded values): G on the sub-chunk's rows [S, bk] and on its first and last rows
+    [1, bk]; g on its rows for ``within_sub_chunk``. Every factor is <= 1."""
 
     def __init__(self, G_ref, g_ref, cols, sc: SubChunk):
         self.G_ref, self.g_ref, self.cols, self.sc = G_ref, g_ref, cols, sc
-        self.G = f32(G_ref[:, cols])
         self.G_own = sc.rows(G_ref, cols)
+        self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
+        self.G_last = f32(G_ref[pl.ds(sc.last, 1), cols])
 
-    def _row(self, i):
-        return f32(self.G_ref[pl.ds(i, 1), self.cols])
+    def from_first(self):
+        """exp(G_i - G_r) on the sub-chunk's rows i, [S, bk]."""
+        return jnp.exp(self.G_own - self.G_first)
 
-    def row_factors(self) -> "RowFactors":
-        """left = exp(G_i - G_r) on the sub-chunk's rows [S, bk]; right = exp(G_r - G_j) on
-        the chunk's rows j < r, else 0 [C, bk]."""
-        G_r = self._row(self.sc.first)
-        right = jnp.exp(jnp.where(iota(self.G.shape, 0) < self.sc.first, G_r - self.G,
-                                  -jnp.inf))
-        return RowFactors(jnp.exp(self.G_own - G_r), right)
+    def to_last(self):
+        """exp(G_e - G_j) on the sub-chunk's rows j, [S, bk]."""
+        return jnp.exp(self.G_last - self.G_own)
 
-    def column_factors(self) -> "ColumnFactors":
-        """left = exp(G_i - G_e) on the chunk's rows i > e, else 0 [C, bk]; right =
-        exp(G_e - G_j) on the sub-chunk's rows [S, bk]."""
-        G_e = self._row(self.sc.last)
-        left = jnp.exp(jnp.where(iota(self.G.shape, 0) > self.sc.last, self.G - G_e, -jnp.inf))
-        return ColumnFactors(left, jnp.exp(G_e - self.G_own))
+    def before(self, s):
+        """exp(G_r - G_j) on the rows j of a sub-chunk s before this one, [S, bk]."""
+        return jnp.exp(self.G_first - f32(self.G_ref[SubChunk.of(s), self.cols]))
 
-
-class RowFactors(NamedTuple):
-    left: jax.Array       # [S, bk]
-    right: jax.Array      # [C, bk]
-
-
-class ColumnFactors(NamedTuple):
-    left: jax.Array       # [C, bk]
-    right: jax.Array      # [S, bk]
+    def after(self, s):
+        """exp(G_i - G_e) on the rows i of a sub-chunk s after this one, [S, bk]."""
+        return jnp.exp(f32(self.G_ref[SubChunk.of(s), self.cols]) - self.G_last)
 
 
 class Step(NamedTuple):
     """One distance delta of ``within_sub_chunk`` for the sub-chunk's local rows l: partner
-    [S] (l - delta downward, l + delta upward, clipped into the sub-chunk), same [S] (the
-    partner lies in the sub-chunk), column [S] (the partner's chunk row), decay [S, bk] =
-    exp(sum of g over the rows strictly after min(l, p) up to max(l, p)) where same, else 0."""
+    [S] (l - delta downward, l + delta upward; outside 0 .. S - 1 where not same), same [S]
+    (the partner lies in the sub-chunk), decay [S, bk] = exp(sum of g over the rows
+    strictly after min(l, p) up to max(l, p)) where same, else 0."""
     delta: jax.Array
     partner: jax.Array
     same: jax.Array
-    column: jax.Array
     decay: jax.Array
 
 
@@ -215,21 +206,13 @@ def within_sub_chunk(sc: SubChunk, gates: ChannelGates, body: Callable, acc, *, 
             partner, same, joining = l - delta, l >= delta, l - delta + 1
         partial = partial + sc.gather(gates.g_ref, joining, gates.cols)
         decay = jnp.exp(jnp.where(same[:, None], partial, -jnp.inf))
-        column = sc.first + jnp.clip(partner, 0, SUB_CHUNK - 1)
-        return partial, body(Step(delta, partner, same, column, decay), acc)
+        return partial, body(Step(delta, partner, same, decay), acc)
 
     zero = jnp.zeros(gates.G_own.shape, jnp.float32)
     return lax.fori_loop(1, SUB_CHUNK, step, (zero, acc))[1]
 
 
-def place(step: Step, value, C: int):
-    """An [S, C] tile with value [S] at (l, step.column) where step.same, else 0."""
-    hit = (iota((SUB_CHUNK, C), 1) == step.column[:, None]) & step.same[:, None]
+def place(step: Step, value):
+    """An [S, S] tile with value [S] at (l, step.partner) where step.same, else 0."""
+    hit = (iota((SUB_CHUNK, SUB_CHUNK), 1) == step.partner[:, None]) & step.same[:, None]
     return jnp.where(hit, value[:, None], 0.0)
-
-
-def band(m, step: Step):
-    """The entries m[l, step.column] of an [S, C] tile m, by local row, [S] (0 where the
-    partner is outside the sub-chunk)."""
-    hit = (iota(m.shape, 1) == step.column[:, None]) & step.same[:, None]
-    return jnp.sum(jnp.where(hit, m, 0.0), axis=1)

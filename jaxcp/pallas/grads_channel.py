@@ -138,54 +138,67 @@ _SumsRefs = refs_type("_SumsRefs", "q k g G beta mq da mq_flat da_flat dq_in dk_
 
 def _sums_kernel(*refs, names, dots, blocks):
     """Adds the gated sums of Mq and dA to the S rows of sub-chunk b of dq, dk, dG, dbeta
-    (module docstring, step 3). mq_flat, da_flat: Mq and dA as [C * C], for the entries
-    near the diagonal that the loops within the sub-chunk gather."""
+    (module docstring, step 3): across sub-chunks one product per other sub-chunk s
+    ([S, S] blocks of Mq and dA with [S, bk] tiles), within b token by token, the bands
+    gathered from mq_flat, da_flat (Mq and dA as [C * C])."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
+    S = SUB_CHUNK
     bk = blocks.cols(K)
     dot = dots.plain
     sc = SubChunk()
-    own = pl.ds(sc.first, SUB_CHUNK)
+    own = sc.own
     mq_diagonal = sc.band_of(r.mq_flat, 0, C, transposed=False)[:, None]
     beta_own = f32(r.beta[own])[:, None]
+    zero = jnp.zeros((S, bk), jnp.float32)
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
         gates = ChannelGates(r.G, r.g, cols, sc)
         q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
-        # the sub-chunk's rows as the later i, summed over j before the sub-chunk
-        f = gates.row_factors()
-        k_before = f32(r.k[:, cols]) * f.right
-        rq = f.left * dot(f32(r.mq[own, :]), k_before)
-        rk = f.left * dot(f32(r.da[own, :]), k_before)
 
-        def down(s, acc):
+        # the sub-chunk's rows as the later i: R_i = sum_{j < i} M_ij y_j E_ij
+        def before(s, acc):
             rq, rk = acc
-            k_partner = sc.gather(r.k, s.partner, cols) * s.decay
-            return (rq + sc.band_of(r.mq_flat, s, C, transposed=False)[:, None] * k_partner,
-                    rk + sc.band_of(r.da_flat, s, C, transposed=False)[:, None] * k_partner)
+            k_s = f32(r.k[SubChunk.of(s), cols]) * gates.before(s)
+            return (rq + dot(f32(r.mq[own, SubChunk.of(s)]), k_s),
+                    rk + dot(f32(r.da[own, SubChunk.of(s)]), k_s))
 
-        rq, rk = within_sub_chunk(sc, gates, down, (rq, rk), upward=False)
+        def down(step, acc):
+            rq, rk = acc
+            k_partner = sc.gather(r.k, step.partner, cols) * step.decay
+            return (rq + sc.band_of(r.mq_flat, step, C, transposed=False)[:, None] * k_partner,
+                    rk + sc.band_of(r.da_flat, step, C, transposed=False)[:, None] * k_partner)
+
+        rq, rk = lax.fori_loop(0, sc.index, before, (zero, zero))
+        from_first = gates.from_first()
+        rq, rk = within_sub_chunk(sc, gates, down, (rq * from_first, rk * from_first),
+                                  upward=False)
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         dk = f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
         dg = f32(r.dg_in[:, cols]) + q_own * rq + beta_own * rk * k_own
         dbeta = dbeta + jnp.sum(k_own * rk, axis=1)
 
-        # the sub-chunk's rows as the earlier j, summed over i after the sub-chunk
-        c = gates.column_factors()
-        cq = c.right * dot(f32(r.mq[:, own]).T, f32(r.q[:, cols]) * c.left)
-        ck = c.right * dot(f32(r.da[:, own]).T,
-                           f32(r.k[:, cols]) * f32(r.beta[...])[:, None] * c.left)
-
-        def up(s, acc):
+        # the sub-chunk's rows as the earlier j: Q_j = sum_{i > j} M_ij x_i E_ij
+        def after(s, acc):
             cq, ck = acc
-            q_partner = sc.gather(r.q, s.partner, cols) * s.decay
-            k_partner = (sc.gather(r.k, s.partner, cols) * s.decay
-                         * sc.gather_vec(r.beta, s.partner)[:, None])
-            return (cq + sc.band_of(r.mq_flat, s, C, transposed=True)[:, None] * q_partner,
-                    ck + sc.band_of(r.da_flat, s, C, transposed=True)[:, None] * k_partner)
+            e = gates.after(s)
+            q_s = f32(r.q[SubChunk.of(s), cols]) * e
+            k_s = f32(r.k[SubChunk.of(s), cols]) * f32(r.beta[SubChunk.of(s)])[:, None] * e
+            return (cq + dot(f32(r.mq[SubChunk.of(s), own]).T, q_s),
+                    ck + dot(f32(r.da[SubChunk.of(s), own]).T, k_s))
 
-        cq, ck = within_sub_chunk(sc, gates, up, (cq, ck), upward=True)
+        def up(step, acc):
+            cq, ck = acc
+            q_partner = sc.gather(r.q, step.partner, cols) * step.decay
+            k_partner = (sc.gather(r.k, step.partner, cols) * step.decay
+                         * sc.gather_vec(r.beta, step.partner)[:, None])
+            return (cq + sc.band_of(r.mq_flat, step, C, transposed=True)[:, None] * q_partner,
+                    ck + sc.band_of(r.da_flat, step, C, transposed=True)[:, None] * k_partner)
+
+        cq, ck = lax.fori_loop(sc.index + 1, C // S, after, (zero, zero))
+        to_last = gates.to_last()
+        cq, ck = within_sub_chunk(sc, gates, up, (cq * to_last, ck * to_last), upward=True)
         r.dk[:, cols] = dk + cq + ck
         r.dg[:, cols] = dg - (cq + ck) * k_own
         return dbeta

@@ -17,9 +17,9 @@ With G = cumsum(g) over the chunk's rows (per channel),
 is not a matrix product: the decay differs per channel. It is computed in two parts, in
 sub-chunks of S = 16 rows, so that no factor exceeds 1 whatever the gates:
 
-- j before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
-  exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so the sub-chunk's rows are one
-  tensor-core product (x exp(G - G_r)) (k exp(G_r - G))^T [S, C];
+- j in a sub-chunk s before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
+  exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so each such [S, S] block is a
+  tensor-core product (x exp(G - G_r)) (k_s exp(G_r - G_s))^T;
 - j in the sub-chunk of i: token by token in the distance delta = i - j (1 .. S - 1), each
   exp(sum_{s = j+1 .. i} g_s) from a partial sum grown by one row of g per step, so that it
   is exact to rounding even for gates of -1e3 (no difference of two large cumsums).
@@ -35,10 +35,12 @@ add up over the blocks. A and attn pass between the kernels in float32 ([C, C] p
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, f32, place, sub_chunk_specs, within_sub_chunk)
+                                  check_chunk, f32, iota, place, sub_chunk_specs,
+                                  within_sub_chunk)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
@@ -49,35 +51,55 @@ _SumsRefs = refs_type("_SumsRefs", "q k g G beta a attn")
 
 def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     """The S rows of sub-chunk b of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and
-    attn = scale lower(sum_d q_id k_jd E_ijd), [S, C] each, of one (chunk, head)."""
+    attn = scale lower(sum_d q_id k_jd E_ijd) of one (chunk, head), written as [S, S]
+    blocks: one per sub-chunk before b, the diagonal block, zeros after."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
+    S = SUB_CHUNK
     bk = blocks.cols(K)
     sc = SubChunk()
-    a = attn = jnp.zeros((SUB_CHUNK, C), jnp.float32)
-    qk_diagonal = jnp.zeros((SUB_CHUNK,), jnp.float32)          # j = i, decay 1
-    for j in range(K // bk):
-        cols = pl.ds(j * bk, bk)
-        gates = ChannelGates(r.G, r.g, cols, sc)
-        q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
-        # j before the sub-chunk: through its first row
-        f = gates.row_factors()
-        k_before = (f32(r.k[:, cols]) * f.right).T
-        a = a + dots.plain(k_own * f.left, k_before)
-        attn = attn + dots.plain(q_own * f.left, k_before)
+    beta = f32(r.beta[...])[:, None]
+    key_blocks = [pl.ds(j * bk, bk) for j in range(K // bk)]
+    gates = [ChannelGates(r.G, r.g, cols, sc) for cols in key_blocks]
+    # the sub-chunk's rows scaled by exp(G_i - G_r), for every block of channels
+    k_own = [sc.rows(r.k, cols) for cols in key_blocks]
+    q_own = [sc.rows(r.q, cols) for cols in key_blocks]
+    left = [gt.from_first() for gt in gates]
 
-        # j inside the sub-chunk: token by token
-        def body(s, acc):
+    def before(s, carry):
+        a = attn = jnp.zeros((S, S), jnp.float32)
+        for cols, gt, k, q, lf in zip(key_blocks, gates, k_own, q_own, left):
+            k_s = (f32(r.k[SubChunk.of(s), cols]) * gt.before(s)).T
+            a = a + dots.plain(k * lf, k_s)
+            attn = attn + dots.plain(q * lf, k_s)
+        r.a[:, SubChunk.of(s)] = beta * a
+        r.attn[:, SubChunk.of(s)] = scale * attn
+        return carry
+
+    lax.fori_loop(0, sc.index, before, 0)
+
+    # the diagonal block, token by token
+    a = attn = jnp.zeros((S, S), jnp.float32)
+    qk_diagonal = jnp.zeros((S,), jnp.float32)          # j = i, decay 1
+    for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
+        def body(step, acc, cols=cols, k=k, q=q):
             a, attn = acc
-            k_partner = sc.gather(r.k, s.partner, cols) * s.decay
-            return (a + place(s, jnp.sum(k_own * k_partner, axis=1), C),
-                    attn + place(s, jnp.sum(q_own * k_partner, axis=1), C))
+            k_partner = sc.gather(r.k, step.partner, cols) * step.decay
+            return (a + place(step, jnp.sum(k * k_partner, axis=1)),
+                    attn + place(step, jnp.sum(q * k_partner, axis=1)))
 
-        a, attn = within_sub_chunk(sc, gates, body, (a, attn), upward=False)
-        qk_diagonal = qk_diagonal + jnp.sum(q_own * k_own, axis=1)
-    attn = attn + jnp.where(sc.diagonal(C), qk_diagonal[:, None], 0.0)
-    r.attn[...] = (attn * scale).astype(r.attn.dtype)
-    r.a[...] = (f32(r.beta[...])[:, None] * a).astype(r.a.dtype)
+        a, attn = within_sub_chunk(sc, gt, body, (a, attn), upward=False)
+        qk_diagonal = qk_diagonal + jnp.sum(q * k, axis=1)
+    eye = iota((S, S), 0) == iota((S, S), 1)
+    r.a[:, sc.own] = beta * a
+    r.attn[:, sc.own] = scale * (attn + jnp.where(eye, qk_diagonal[:, None], 0.0))
+
+    def after(s, carry):
+        r.a[:, SubChunk.of(s)] = jnp.zeros((S, S), r.a.dtype)
+        r.attn[:, SubChunk.of(s)] = jnp.zeros((S, S), r.attn.dtype)
+        return carry
+
+    lax.fori_loop(sc.index + 1, C // S, after, 0)
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay", "a inv_in inv")
