@@ -4,8 +4,7 @@ exp(G_id - G_jd) (j before i, G the chunk cumsum of g <= 0) is built from factor
 the sums are finite for any gate.
 
 The chunk's C rows are cut into sub-chunks of S = 16 rows, and these kernels run one
-program per (chunk, batch, head, sub-chunk b), on [S, bk] tiles: small enough that many
-programs share an SM. Sub-chunk b holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
+program per (chunk, batch, head, sub-chunk b) on [S, S] and [S, bk] tiles. Sub-chunk b holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
 
 - i in b, j in a sub-chunk s before b (the rows of b as queries):
   exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1;
@@ -18,10 +17,10 @@ programs share an SM. Sub-chunk b holds the rows r .. e = r + S - 1. A pair (i, 
 
 The first two are tensor-core products of [S, S] and [S, bk] tiles, one per other
 sub-chunk s (a loop over the sub-chunks before or after b, so a program holds only [S, *]
-tiles), their factors differences of the chunk cumsum G, as in the jnp stages. G comes to the kernels computed once: the row sums of one program and the
-column sums of another then take the same rounded exponents for a pair (for the nonzero
-decays, whose G_i and G_j are close, the differences are exact), and their terms in dg
-cancel as the exact ones do.
+tiles), their factors differences of the chunk cumsum G, as in the jnp stages. G comes to
+the kernels computed once: the row sums of one program and the column sums of another then
+take the same rounded exponents for a pair (for the nonzero decays, whose G_i and G_j are
+close, the differences are exact), and their terms in dg cancel as the exact ones do.
 """
 from __future__ import annotations
 

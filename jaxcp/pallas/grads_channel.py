@@ -1,5 +1,6 @@
-"""Pallas (Triton-lowered) cotangents of KDA's chunk inputs: two kernels, each one program
-per (chunk, batch, head), in the chunk layout.
+"""Pallas (Triton-lowered) cotangents of KDA's chunk inputs, in the chunk layout: two
+kernels with one program per (chunk, batch, head), then one with one program per
+(chunk, batch, head, sub-chunk of 16 rows), then dg's reverse cumsum in XLA.
 
 Twin of ``jaxcp.xla.grads.chunk_grads`` for the per-channel gate (``Gate.CHANNEL``). Inputs:
 q, k, g [NT, B, HV, C, K], v, do [.., C, V], beta [.., C]; the terms w [.., C, K], u
@@ -9,27 +10,28 @@ G = cumsum(g) per channel, E_ijd = exp(G_id - G_jd), Xk = beta exp(G) k (w = T X
 u = T (beta v)) and the gated row and column sums of ``pallas.channel``
 (rows(M, y)_id = sum_{j<i} M_ij y_jd E_ijd, cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
 
-    1. (``_inter_kernel``) Mq = scale lower(do v_new^T) (diagonal included); per block of
-       key columns:
+    1. (``_inter_kernel``) Mq = scale lower(do v_new^T) (diagonal included, stored);
+       per block of key columns:
          dqg = do h^T,  dkd = v_new X^T,  dw = -dvn h^T (stored),  d_decay = sum_V(h o X)
-         Rq = rows(Mq, k),  Cq = cols(Mq, q)
-         dq  = scale exp(G) dqg + Rq + diag(Mq) k
-         dk1 = exp(G_C - G) dkd + Cq + diag(Mq) q                       (stored)
-         dG1 = q o (scale exp(G) dqg + Rq) - k o Cq - k o exp(G_C - G) dkd,
-               and on the last row + sum_i (k o exp(G_C - G) dkd) + d_decay exp(G_C)
+         dq = scale exp(G) dqg,  dk = exp(G_C - G) dkd
+         dG = q o dq - k o dk, and on the last row + sum_i (k o dk) + d_decay exp(G_C)
     2. (``_wy_kernel``) dY = T^T dvn per block of value columns: dv = beta dY,
        dbeta = rowsum(dY o v); dXk = T^T dw per block of key columns;
-       dA = strict_lower(-dY u^T - dXk w^T); per block of key columns:
-         R = rows(dA, k),  Q = cols(dA, beta k)
-         dk = dk1 + beta exp(G) dXk + beta R + Q
-         dbeta += rowsum(exp(G) dXk o k) + rowsum(k o R)
-         dG = dG1 + beta exp(G) dXk o k + beta k o R - k o Q
-         dg = reverse cumsum of dG over the chunk's rows
+       dA = strict_lower(-dY u^T - dXk w^T) (stored); per block of key columns:
+         dk += beta exp(G) dXk,  dbeta += rowsum(exp(G) dXk o k),
+         dG += beta exp(G) dXk o k
+    3. (``_sums_kernel``, the rows of one sub-chunk, in place) per block of key columns:
+         Rq = rows(Mq, k),  Cq = cols(Mq, q),  R = rows(dA, k),  Q = cols(dA, beta k)
+         dq += Rq + diag(Mq) k
+         dk += Cq + diag(Mq) q + beta R + Q,   dbeta += rowsum(k o R)
+         dG += q o Rq - k o Cq + beta k o R - k o Q
+    4. dg = reverse cumsum of dG over the chunk's rows.
 
 Every decay is a product of factors <= 1 (``pallas.channel``), so the cotangents are finite
-for any gate g <= 0. Only [C, C] tiles and [C, col_block] blocks are live at a time; the
-work is split in two kernels, as GDN's is, so that neither spills registers. For bf16 inputs
-the products take bf16 operands (fp32 tiles rounded), as in FLA's backward.
+for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
+only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the sub-chunk
+kernel holds [16, *] tiles. The stage table asks for 3xTF32 products (precise) for every
+input dtype.
 """
 from __future__ import annotations
 
