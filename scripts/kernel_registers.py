@@ -5,9 +5,10 @@
 
 Each kernel is lowered for CUDA as jax hands it to XLA (the Pallas Triton module; the GPU
 info that jax would read off a device is H100's), compiled by triton for sm_90 at the given
-warps and pipeline stages, and its PTX assembled by triton's ptxas -v (checked against
-`ncu` on the H100: the same 255 registers and no spills for kda_gated_sums at 64-column
-blocks, 4 warps, 3 stages). This reads private jax modules
+warps and pipeline stages, and its PTX assembled by triton's ptxas -v (its counts agreed
+with `ncu`'s on the H100 where both were read). One configuration serves every kernel of a
+run; the shipped ones are ``ChunkBlocks.default`` (3 stages) for the forward and
+``ChunkBlocks.channel_grads`` (2 stages) for the cotangents. This reads private jax modules
 (the Triton lowering and its GPU info), so it follows the jax version it was written for
 (0.11.2 and 0.12).
 """

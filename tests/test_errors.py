@@ -123,14 +123,3 @@ def test_cp_cu_seqlens_end_is_global_length(gdn_args):
     with pytest.raises(ValueError, match="total length 32"):
         _in_shard_map(gdn_args, 2, cu_seqlens=jnp.asarray([0, 16], jnp.int32))
 
-
-@pytest.mark.parametrize("argv, message", [(["--K", "0"], "--K must be positive"),
-                                           (["--K", "96"], "--col-block must divide --K")])
-def test_kernel_registers_script_rejects_bad_flags(argv, message):
-    """scripts/kernel_registers.py: one line on stderr, exit code 2."""
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "scripts/kernel_registers.py", *argv],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"kernel_registers.py: error: {message}"]

@@ -1,10 +1,12 @@
-"""Gated sums over one sub-chunk with a per-channel gate (KDA), shared by the forward's
-``kda_gated_sums`` and the backward's ``kda_grads_gated_sums``: every decay
+"""What KDA's Pallas kernels share (per-channel gate): the gate terms of whole-chunk
+programs (``ChannelBlock``), and the gated sums of the sub-chunk programs, the forward's
+``kda_gated_sums`` and the backward's ``kda_grads_gated_sums``. Every decay
 exp(G_id - G_jd) (j before i, G the chunk cumsum of g <= 0) is built from factors <= 1, so
 the sums are finite for any gate.
 
-The chunk's C rows are cut into sub-chunks of S = 16 rows, and these kernels run one
-program per (chunk, batch, head, sub-chunk b) on [S, S] and [S, bk] tiles. Sub-chunk b holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
+The chunk's C rows are cut into sub-chunks of S = 16 rows, and the sub-chunk kernels run
+one program per (chunk, batch, head, sub-chunk b) on [S, S] and [S, bk] tiles. Sub-chunk b
+holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
 
 - i in b, j in a sub-chunk s before b (the rows of b as queries):
   exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1;
@@ -17,10 +19,14 @@ program per (chunk, batch, head, sub-chunk b) on [S, S] and [S, bk] tiles. Sub-c
 
 The first two are tensor-core products of [S, S] and [S, bk] tiles, one per other
 sub-chunk s (a loop over the sub-chunks before or after b, so a program holds only [S, *]
-tiles), their factors differences of the chunk cumsum G, as in the jnp stages. G comes to
-the kernels computed once: the row sums of one program and the column sums of another then
-take the same rounded exponents for a pair (for the nonzero decays, whose G_i and G_j are
-close, the differences are exact), and their terms in dg cancel as the exact ones do.
+tiles), their factors differences of the chunk cumsum G (``chunk_cumsum``, read from
+memory: a program needs G at rows it cannot slice out of a register tile). The row sum of
+program b and the column sum of program s then split the exponent of a pair at different
+rows, but of the same rounded G: for the nonzero decays G_i, G_r, G_j are close, the
+differences are exact, and the two products differ by the rounding of exp alone. Had either
+program taken its exponents from partial sums of g instead, they would differ by the
+cumsum's rounding, and the terms q_i R_i - k_j Q_j of dg, which cancel in exact
+arithmetic, would leave it in every row through dg's reverse cumsum.
 """
 from __future__ import annotations
 
@@ -43,10 +49,14 @@ def f32(x):
     return x.astype(jnp.float32)
 
 
-def row_at(x, i):
-    """Row i (static or traced) of a [n, d] tile as [1, d] (a masked sum: registers cannot
-    be indexed)."""
+def row_at(x, i: int):
+    """Row i of a [n, d] tile as [1, d] (a masked sum: registers cannot be indexed)."""
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
+
+
+def chunk_cumsum(g):
+    """G = cumsum(g) over each chunk's rows, float32, [..., C, K] (XLA)."""
+    return jnp.cumsum(f32(g), axis=-2)
 
 
 def check_chunk(C: int) -> None:
@@ -135,19 +145,21 @@ class SubChunk:
         return f32(ref[idx, cols])
 
     def gather_vec(self, ref, local_idx):
+        """Entries first + local_idx (clipped into the sub-chunk) of a [C] ref, float32 [S]."""
         idx = self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
         return f32(ref[idx])
 
-    def band_of(self, m_flat, step, C: int, *, transposed: bool):
-        """Entries of a [C, C] matrix m (given as m_flat [C * C]) by local row l, [S]: at
-        step (a ``Step``) m[first + l, r + partner] (transposed: m[r + partner, first + l]),
-        0 where the partner is outside the sub-chunk; at step 0 the diagonal
-        m[first + l, first + l]."""
+    def diagonal_of(self, m_flat, C: int):
+        """m[i, i] on the sub-chunk's rows i of a [C, C] m given as m_flat [C * C], [S]."""
+        return f32(m_flat[(self.first + self.local) * (C + 1)])
+
+    def band_of(self, m_flat, step: "Step", C: int, *, transposed: bool):
+        """m[i, p] (transposed: m[p, i]) for the sub-chunk's rows i and their partners p at
+        step, of a [C, C] m given as m_flat [C * C], [S]; 0 where p is outside the
+        sub-chunk."""
         own = self.first + self.local
-        if isinstance(step, int):
-            return f32(m_flat[own * (C + 1)])
-        column = self.first + jnp.clip(step.partner, 0, SUB_CHUNK - 1)
-        idx = column * C + own if transposed else own * C + column
+        partner = self.first + jnp.clip(step.partner, 0, SUB_CHUNK - 1)
+        idx = partner * C + own if transposed else own * C + partner
         return jnp.where(step.same, f32(m_flat[idx]), 0.0)
 
 
@@ -158,7 +170,7 @@ class ChannelGates:
     [1, bk]; g on its rows for ``within_sub_chunk``. Every factor is <= 1."""
 
     def __init__(self, G_ref, g_ref, cols, sc: SubChunk):
-        self.G_ref, self.g_ref, self.cols, self.sc = G_ref, g_ref, cols, sc
+        self.G_ref, self.g_ref, self.cols = G_ref, g_ref, cols
         self.G_own = sc.rows(G_ref, cols)
         self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
         self.G_last = f32(G_ref[pl.ds(sc.last, 1), cols])
@@ -185,7 +197,6 @@ class Step(NamedTuple):
     [S] (l - delta downward, l + delta upward; outside 0 .. S - 1 where not same), same [S]
     (the partner lies in the sub-chunk), decay [S, bk] = exp(sum of g over the rows
     strictly after min(l, p) up to max(l, p)) where same, else 0."""
-    delta: jax.Array
     partner: jax.Array
     same: jax.Array
     decay: jax.Array
@@ -205,7 +216,7 @@ def within_sub_chunk(sc: SubChunk, gates: ChannelGates, body: Callable, acc, *, 
             partner, same, joining = l - delta, l >= delta, l - delta + 1
         partial = partial + sc.gather(gates.g_ref, joining, gates.cols)
         decay = jnp.exp(jnp.where(same[:, None], partial, -jnp.inf))
-        return partial, body(Step(delta, partner, same, decay), acc)
+        return partial, body(Step(partner, same, decay), acc)
 
     zero = jnp.zeros(gates.G_own.shape, jnp.float32)
     return lax.fori_loop(1, SUB_CHUNK, step, (zero, acc))[1]

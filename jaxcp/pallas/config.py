@@ -5,11 +5,13 @@ Two families of kernels, two configurations:
 - ``StateBlocks``: the chunk state recurrences (``pallas.state``), one program per (batch,
   value head, block of state columns) looping over the chunks. Its per-chunk tiles are
   software-pipelined: as many stages as fit in a shared-memory budget.
-- ``ChunkBlocks``: the per-chunk kernels (``pallas.intra``, ``pallas.grads``), one program
-  per (chunk, batch, value head), walking K and V in blocks of columns so that no [C, K] or
-  [C, V] tile stays live across the kernel.
+- ``ChunkBlocks``: the per-chunk kernels (``pallas.intra``, ``pallas.grads``, KDA's
+  ``pallas.intra_channel``, ``pallas.grads_channel``), one program per (chunk, batch, value
+  head) or, for KDA's gated sums, per sub-chunk of 16 rows, walking K and V in blocks of
+  columns so that no [C, K] or [C, V] tile stays live across the kernel.
 
-``default(K, dtype, device)`` gives what the kernels ship with. The numbers were measured
+``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
+``ChunkBlocks.channel_grads``). The numbers were measured
 on the H100 and the H200 (docs/benchmarks/kernels.md), where they are the same; ``device``
 (``jax.Device.device_kind``) is where a per-device choice goes.
 """
@@ -66,10 +68,11 @@ class ChunkBlocks:
         return cls()
 
     @classmethod
-    def channel_grads(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
-        """KDA's cotangent kernels: two pipeline stages. Their loops over value blocks load
-        five [C, 64] float32 tiles per step; three stages would need 240 KiB of shared
-        memory, over the 227 KiB a block gets on the H100 and the H200."""
+    def channel_grads(cls) -> "ChunkBlocks":
+        """KDA's three cotangent kernels: two pipeline stages. The loop over value blocks of
+        ``kda_grads_inter`` loads three [C, 64] and two [64, 64] float32 tiles per step;
+        three stages would need 240 KiB of shared memory, over the 227 KiB a block gets on
+        the H100 and the H200. The other two kernels were measured with it."""
         return cls(num_stages=2)
 
     def cols(self, d: int) -> int:

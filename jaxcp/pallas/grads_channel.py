@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, f32, iota, sub_chunk_specs, within_sub_chunk)
+                                  check_chunk, chunk_cumsum, f32, iota, sub_chunk_specs,
+                                  within_sub_chunk)
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -56,6 +57,8 @@ _InterRefs = refs_type("_InterRefs", "q k g do h v_new x dvn dq dk dw dg mq")
 
 
 def _inter_kernel(*refs, names, scale, dots, blocks):
+    """Step 1 of the module docstring for one (chunk, head): q, k, g [C, K], do, v_new, dvn
+    [C, V], h, x [K, V] -> dq, dk, dw, dG [C, K] and Mq [C, C], float32."""
     r = named(_InterRefs, names, refs)
     C, K = r.k.shape
     V = r.do.shape[-1]
@@ -100,6 +103,9 @@ _WYRefs = refs_type("_WYRefs", "k v g beta w u inv dvn dw dk_in dg_in dk dv dg d
 
 
 def _wy_kernel(*refs, names, dots, blocks):
+    """Step 2 of the module docstring for one (chunk, head): k, g, w, dw [C, K], v, u, dvn
+    [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dg_in) -> dv
+    [C, V], dbeta [C] and dA [C, C], float32."""
     r = named(_WYRefs, names, refs)
     C, K = r.k.shape
     V = r.v.shape[-1]
@@ -139,10 +145,11 @@ _SumsRefs = refs_type("_SumsRefs", "q k g G beta mq da mq_flat da_flat dq_in dk_
 
 
 def _sums_kernel(*refs, names, dots, blocks):
-    """Adds the gated sums of Mq and dA to the S rows of sub-chunk b of dq, dk, dG, dbeta
-    (module docstring, step 3): across sub-chunks one product per other sub-chunk s
-    ([S, S] blocks of Mq and dA with [S, bk] tiles), within b token by token, the bands
-    gathered from mq_flat, da_flat (Mq and dA as [C * C])."""
+    """Step 3 of the module docstring for sub-chunk b of one (chunk, head): from q, k, g, G
+    [C, K], beta [C], Mq, dA [C, C] (and as mq_flat, da_flat [C * C]), adds the gated sums
+    to the S rows of b of dq, dk, dG [S, K] and dbeta [S] in place. Across sub-chunks one
+    product per other sub-chunk s ([S, S] blocks of Mq and dA with [S, bk] tiles); within b
+    token by token, the bands gathered from the flat matrices."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
     S = SUB_CHUNK
@@ -150,7 +157,7 @@ def _sums_kernel(*refs, names, dots, blocks):
     dot = dots.plain
     sc = SubChunk()
     own = sc.own
-    mq_diagonal = sc.band_of(r.mq_flat, 0, C, transposed=False)[:, None]
+    mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
     zero = jnp.zeros((S, bk), jnp.float32)
 
@@ -221,7 +228,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     check_chunk(C)
-    blocks = blocks or ChunkBlocks.channel_grads(K, q.dtype)
+    blocks = blocks or ChunkBlocks.channel_grads()
     sp = chunk_specs(C, C)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     dots = make_dots(precise, interpret, rounded=True)
@@ -267,7 +274,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     flat = lambda m: m.reshape(NT, B, HV, C * C)
     sums = Operands()
     for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k),
-                            ("g", ss.chunk(K), g), ("G", ss.chunk(K), jnp.cumsum(g, axis=3)),
+                            ("g", ss.chunk(K), g), ("G", ss.chunk(K), chunk_cumsum(g)),
                             ("beta", ss.chunk_vec, beta),
                             ("mq", ss.chunk(C), step1["mq"]), ("da", ss.chunk(C), step2["da"]),
                             ("mq_flat", ss.square_flat, flat(step1["mq"])),

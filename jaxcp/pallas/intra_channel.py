@@ -39,8 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, f32, iota, place, sub_chunk_specs,
-                                  within_sub_chunk)
+                                  check_chunk, chunk_cumsum, f32, iota, place,
+                                  sub_chunk_specs, within_sub_chunk)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
@@ -50,9 +50,10 @@ _SumsRefs = refs_type("_SumsRefs", "q k g G beta a attn")
 
 
 def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
-    """The S rows of sub-chunk b of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and
-    attn = scale lower(sum_d q_id k_jd E_ijd) of one (chunk, head), written as [S, S]
-    blocks: one per sub-chunk before b, the diagonal block, zeros after."""
+    """From q, k, g, G [C, K] and beta [S] of one (chunk, head), the S rows of sub-chunk b
+    of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and attn = scale lower(sum_d q_id
+    k_jd E_ijd), [S, C] each, written as [S, S] blocks: one per sub-chunk before b, the
+    diagonal block, zeros after."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
     S = SUB_CHUNK
@@ -61,7 +62,7 @@ def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     beta = f32(r.beta[...])[:, None]
     key_blocks = [pl.ds(j * bk, bk) for j in range(K // bk)]
     gates = [ChannelGates(r.G, r.g, cols, sc) for cols in key_blocks]
-    # the sub-chunk's rows scaled by exp(G_i - G_r), for every block of channels
+    # the sub-chunk's rows and their factors exp(G_i - G_r), for every block of channels
     k_own = [sc.rows(r.k, cols) for cols in key_blocks]
     q_own = [sc.rows(r.q, cols) for cols in key_blocks]
     left = [gt.from_first() for gt in gates]
@@ -142,7 +143,7 @@ def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise:
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
     sp = sub_chunk_specs(C)
     ins = Operands()
-    for name, x in (("q", q), ("k", k), ("g", g), ("G", jnp.cumsum(g, axis=3))):
+    for name, x in (("q", q), ("k", k), ("g", g), ("G", chunk_cumsum(g))):
         ins.add(name, sp.chunk(K), x)
     ins.add("beta", sp.rows_vec, beta)
 
