@@ -139,15 +139,17 @@ class SubChunk:
         """Its S rows of the chunk tile ref, float32 [S, bk]."""
         return f32(ref[self.own, cols])
 
+    def chunk_rows(self, local_idx):
+        """The chunk rows first + local_idx of local rows [S], clipped into the sub-chunk."""
+        return self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
+
     def gather(self, ref, local_idx, cols):
-        """Rows first + local_idx (local_idx [S], clipped into the sub-chunk) of ref, float32."""
-        idx = self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
-        return f32(ref[idx, cols])
+        """Rows ``chunk_rows(local_idx)`` of the chunk tile ref, float32 [S, bk]."""
+        return f32(ref[self.chunk_rows(local_idx), cols])
 
     def gather_vec(self, ref, local_idx):
-        """Entries first + local_idx (clipped into the sub-chunk) of a [C] ref, float32 [S]."""
-        idx = self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
-        return f32(ref[idx])
+        """Entries ``chunk_rows(local_idx)`` of a [C] ref, float32 [S]."""
+        return f32(ref[self.chunk_rows(local_idx)])
 
     def diagonal_of(self, m_flat, C: int):
         """m[i, i] on the sub-chunk's rows i of a [C, C] m given as m_flat [C * C], [S]."""
@@ -158,15 +160,14 @@ class SubChunk:
         step, of a [C, C] m given as m_flat [C * C], [S]; 0 where p is outside the
         sub-chunk."""
         own = self.first + self.local
-        partner = self.first + jnp.clip(step.partner, 0, SUB_CHUNK - 1)
+        partner = self.chunk_rows(step.partner)
         idx = partner * C + own if transposed else own * C + partner
         return jnp.where(step.same, f32(m_flat[idx]), 0.0)
 
 
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
-    cumsum G (computed once, outside the kernels, so that every program reads the same
-    rounded values): G on the sub-chunk's rows [S, bk] and on its first and last rows
+    cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the sub-chunk's rows [S, bk] and on its first and last rows
     [1, bk]; g on its rows for ``within_sub_chunk``. Every factor is <= 1."""
 
     def __init__(self, G_ref, g_ref, cols, sc: SubChunk):
