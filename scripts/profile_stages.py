@@ -13,7 +13,9 @@ recomputation of w and u from it, the forward state recurrence fused with the ou
 recomputes), the reverse recurrence, and the input cotangents; then the whole op. With
 --variants, rows marked "variant" re-time a stage in another form (not what ships): the
 chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
-state columns per program, warps, pipeline stages). --interpret runs the kernels in
+state columns per program, warps, pipeline stages). --op kda times KDA's stages instead
+(chunk layout); its --variants re-time the forward gated sums, the cotangent kernels and
+the state recurrences under other launch configurations. --interpret runs the kernels in
 interpret mode (a smoke test on the CPU, with small --T and --H).
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--op", choices=("gdn", "kda"), default="gdn",
-                    help="kda: the KDA stages as the op runs them (chunk layout), no variants")
+                    help="kda: the KDA stages as the op runs them (chunk layout)")
     args = ap.parse_args(argv)
     cu = None
     if args.cu_seqlens:
@@ -222,6 +224,8 @@ def _profile_kda(args, cu):
                          terms, do)
     timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
           *xs, terms, h, vn, x, dvn, do)
+    if args.variants:
+        _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, args.interpret)
     op = partial(jaxcp.chunk_kda, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                  backend=backend)
     timed("op forward", lambda *a: op(*a)[0], q, k, v, g, beta)
@@ -229,6 +233,46 @@ def _profile_kda(args, cu):
     timed("op forward+backward", forward_backward(lambda *a: op(*a)[0], range(5), wo),
           q, k, v, g, beta)
     _table(rows, T, H, D)
+
+
+def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
+    """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
+    gated sums and the cotangent kernels under ``ChunkBlocks`` (warps, pipeline stages,
+    columns per block), the state recurrences under ``StateBlocks``. A variant that cannot
+    compile is reported, not fatal."""
+    import jax.numpy as jnp
+    from jaxcp.gate import Gate
+    from jaxcp.pallas import grads_channel, intra_channel
+    from jaxcp.pallas import state as pstate
+    from jaxcp.pallas.config import ChunkBlocks, StateBlocks
+
+    def variant(name, fn, *a):
+        try:
+            timed("variant: " + name, fn, *a)
+        except Exception as e:
+            print(f"variant: {name:35} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    q, k, v, g, beta = xs
+    for col, warps, stages in ((64, 4, 3), (64, 8, 1), (64, 2, 1), (32, 4, 1)):
+        b = ChunkBlocks(col_block=col, num_warps=warps, num_stages=stages)
+        variant(f"gated sums {col} columns, {warps} warps, {stages} stages",
+                lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
+                                                         interpret=interpret), q, k, g, beta)
+    for col, warps, stages in ((64, 4, 1), (64, 8, 2), (32, 4, 2)):
+        b = ChunkBlocks(col_block=col, num_warps=warps, num_stages=stages)
+        variant(f"chunk_grads {col} columns, {warps} warps, {stages} stages",
+                lambda *a, b=b: grads_channel.chunk_grads(*a[:5], scale, *a[5:], blocks=b,
+                                                          interpret=interpret),
+                *xs, terms, h, vn, x, dvn, do)
+    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, interpret=interpret)
+    for bv, warps in ((32, 4), (64, 8)):
+        b = StateBlocks(block_cols=bv, num_warps=warps)
+        variant(f"state_output BV={bv}, {warps} warps", lambda t, b=b: pstate.state_output(
+            t, layout, None, h0, False, blocks=b, **kw)[0], terms)
+        variant(f"state_fwd BV={bv}, {warps} warps", lambda t, b=b: pstate.state_fwd(
+            t, layout, None, h0, blocks=b, **kw), terms)
+        variant(f"state_bwd BV={bv}, {warps} warps", lambda t, d, b=b: pstate.state_bwd(
+            t, layout, d, None, h0, blocks=b, **kw), terms, do)
 
 
 if __name__ == "__main__":

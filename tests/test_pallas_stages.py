@@ -193,7 +193,7 @@ def kda_chunks(C, K, V, gates, seed=0):
 
 @pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])
 def test_intra_chunk_kda(C, K, V):
-    """KDA's terms (sub-chunk products across sub-chunks, token by token within them; K in
+    """KDA's terms (sub-chunk products across sub-chunks, pair by pair within them; K in
     column blocks at K = 128) equal the XLA twin's; recomputed from the kept T and attn,
     they equal the forward's."""
     args = kda_chunks(C, K, V, "random")
@@ -212,8 +212,8 @@ def test_intra_chunk_kda(C, K, V):
 @pytest.mark.parametrize("gates", ["-30", "-1e3"])
 def test_intra_chunk_kda_very_negative_gates(gates):
     """Gates of -30 and -1e3 per token: finite, and no further from the float64 terms than
-    the XLA twin (within sub-chunks the decays are partial sums of g, not differences of
-    large cumsums)."""
+    the XLA twin (the same chunk cumsum, whose differences lose digits at -1e3; the products
+    across sub-chunks split each exponent at a reference row)."""
     args = kda_chunks(64, 16, 16, gates)
     got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
     want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)

@@ -12,10 +12,9 @@ holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
   exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1;
 - j in b, i in a sub-chunk s after b (the rows of b as keys):
   exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j), both factors <= 1;
-- i and j in b: token by token in the distance delta = |i - j| (1 .. S - 1), the decay
-  exp(sum of g over the rows j+1 .. i) a partial sum grown by one row of g per step
-  (``within_sub_chunk``), exact to rounding even for gates of -1e3, where a difference of
-  two cumsums of size ~1e4 keeps few digits.
+- i and j in b: pair by pair, one row p of b at a time (``ChannelGates.partners``), the
+  decay exp(-|G_i - G_j|) = exp(G_later - G_earlier) of the pair as the jnp stage takes it.
+  The S steps do not depend on each other; each loads one row of G and of the operands.
 
 The first two are tensor-core products of [S, S] and [S, bk] tiles, one per other
 sub-chunk s (a loop over the sub-chunks before or after b, so a program holds only [S, *]
@@ -121,7 +120,8 @@ def sub_chunk_specs(C: int) -> SubChunkSpecs:
 class SubChunk:
     """This program's sub-chunk b (grid axis 3): first row r = b S, last row e = r + S - 1,
     local rows l = 0 .. S - 1 [S]; loaders of the rows of a sub-chunk (this one, or another
-    s) of a block of columns, and gathers of rows r + idx."""
+    s) of a block of columns, and of the entries of a flat [C, C] matrix in its rows,
+    columns and diagonal."""
 
     def __init__(self):
         self.index = pl.program_id(3)
@@ -139,39 +139,28 @@ class SubChunk:
         """Its S rows of the chunk tile ref, float32 [S, bk]."""
         return f32(ref[self.own, cols])
 
-    def chunk_rows(self, local_idx):
-        """The chunk rows first + local_idx of local rows [S], clipped into the sub-chunk."""
-        return self.first + jnp.clip(local_idx, 0, SUB_CHUNK - 1)
-
-    def gather(self, ref, local_idx, cols):
-        """Rows ``chunk_rows(local_idx)`` of the chunk tile ref, float32 [S, bk]."""
-        return f32(ref[self.chunk_rows(local_idx), cols])
-
-    def gather_vec(self, ref, local_idx):
-        """Entries ``chunk_rows(local_idx)`` of a [C] ref, float32 [S]."""
-        return f32(ref[self.chunk_rows(local_idx)])
-
     def diagonal_of(self, m_flat, C: int):
         """m[i, i] on the sub-chunk's rows i of a [C, C] m given as m_flat [C * C], [S]."""
         return f32(m_flat[(self.first + self.local) * (C + 1)])
 
-    def band_of(self, m_flat, step: "Step", C: int, *, transposed: bool):
-        """m[i, p] (transposed: m[p, i]) for the sub-chunk's rows i and their partners p at
-        step, of a [C, C] m given as m_flat [C * C], [S]; 0 where p is outside the
-        sub-chunk."""
-        own = self.first + self.local
-        partner = self.chunk_rows(step.partner)
-        idx = partner * C + own if transposed else own * C + partner
-        return jnp.where(step.same, f32(m_flat[idx]), 0.0)
+    def column_of(self, m_flat, p: int, C: int):
+        """m[i, first + p] on the sub-chunk's rows i of a [C, C] m given as m_flat [C * C],
+        [S]."""
+        return f32(m_flat[(self.first + self.local) * C + self.first + p])
+
+    def row_of(self, m_flat, p: int, C: int):
+        """m[first + p, i] on the sub-chunk's rows i of a [C, C] m given as m_flat [C * C],
+        [S]."""
+        return f32(m_flat[(self.first + p) * C + self.first + self.local])
 
 
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
-    cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the sub-chunk's rows [S, bk] and on its first and last rows
-    [1, bk]; g on its rows for ``within_sub_chunk``. Every factor is <= 1."""
+    cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the
+    sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1."""
 
-    def __init__(self, G_ref, g_ref, cols, sc: SubChunk):
-        self.G_ref, self.g_ref, self.cols = G_ref, g_ref, cols
+    def __init__(self, G_ref, cols, sc: SubChunk):
+        self.sc, self.G_ref, self.cols = sc, G_ref, cols
         self.G_own = sc.rows(G_ref, cols)
         self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
         self.G_last = f32(G_ref[pl.ds(sc.last, 1), cols])
@@ -192,38 +181,31 @@ class ChannelGates:
         """exp(G_i - G_e) on the rows i of a sub-chunk s after this one, [S, bk]."""
         return jnp.exp(f32(self.G_ref[SubChunk.of(s), self.cols]) - self.G_last)
 
+    def partner(self, p: int):
+        """Row p of the sub-chunk as the partner of its rows l (``Partner``)."""
+        sc = self.sc
+        G_p = f32(self.G_ref[pl.ds(sc.first + p, 1), self.cols])
+        return Partner(index=p, row=sc.first + p, later=sc.local > p, earlier=sc.local < p,
+                       decay=jnp.exp(-jnp.abs(self.G_own - G_p)))
 
-class Step(NamedTuple):
-    """One distance delta of ``within_sub_chunk`` for the sub-chunk's local rows l: partner
-    [S] (l - delta downward, l + delta upward; outside 0 .. S - 1 where not same), same [S]
-    (the partner lies in the sub-chunk), decay [S, bk] = exp(sum of g over the rows
-    strictly after min(l, p) up to max(l, p)) where same, else 0."""
-    partner: jax.Array
-    same: jax.Array
+    def partners(self):
+        """The S rows p of the sub-chunk as partners of its rows l, in order (unrolled: the
+        steps are independent, and their loads can be issued together)."""
+        return (self.partner(p) for p in range(SUB_CHUNK))
+
+
+class Partner(NamedTuple):
+    """Row p of the sub-chunk (local index; chunk row first + p) as the partner of the
+    sub-chunk's rows l: later [S] (l > p), earlier [S] (l < p), and decay [S, bk] =
+    exp(-|G_l - G_p|), which is E_lp = exp(G_l - G_p) where l >= p and E_pl where l <= p
+    (G does not increase down the chunk), <= 1 either way."""
+    index: int
+    row: jax.Array
+    later: jax.Array
+    earlier: jax.Array
     decay: jax.Array
 
-
-def within_sub_chunk(sc: SubChunk, gates: ChannelGates, body: Callable, acc, *, upward: bool):
-    """Folds body(step, acc) -> acc over delta = 1 .. S - 1, the pairs (l, p) of the
-    sub-chunk at distance delta: p = l - delta (downward: l the later row) or p = l + delta
-    (upward: l the earlier row)."""
-    l = sc.local
-
-    def step(delta, carry):
-        partial, acc = carry
-        if upward:
-            partner, same, joining = l + delta, l + delta < SUB_CHUNK, l + delta
-        else:
-            partner, same, joining = l - delta, l >= delta, l - delta + 1
-        partial = partial + sc.gather(gates.g_ref, joining, gates.cols)
-        decay = jnp.exp(jnp.where(same[:, None], partial, -jnp.inf))
-        return partial, body(Step(partner, same, decay), acc)
-
-    zero = jnp.zeros(gates.G_own.shape, jnp.float32)
-    return lax.fori_loop(1, SUB_CHUNK, step, (zero, acc))[1]
-
-
-def place(step: Step, value):
-    """An [S, S] tile with value [S] at (l, step.partner) where step.same, else 0."""
-    hit = (iota((SUB_CHUNK, SUB_CHUNK), 1) == step.partner[:, None]) & step.same[:, None]
-    return jnp.where(hit, value[:, None], 0.0)
+    def column(self, value, mask):
+        """An [S, S] tile with value [S] in column p where mask [S], else 0."""
+        hit = (iota((SUB_CHUNK, SUB_CHUNK), 1) == self.index) & mask[:, None]
+        return jnp.where(hit, value[:, None], 0.0)

@@ -11,7 +11,7 @@ Two families of kernels, two configurations:
   columns so that no [C, K] or [C, V] tile stays live across the kernel.
 
 ``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
-``ChunkBlocks.channel_grads``). The numbers were measured
+``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``). The numbers were measured
 on the H100 and the H200 (docs/benchmarks/kernels.md), where they are the same; ``device``
 (``jax.Device.device_kind``) is where a per-device choice goes.
 """
@@ -72,8 +72,17 @@ class ChunkBlocks:
         """KDA's three cotangent kernels: two pipeline stages. The loop over value blocks of
         ``kda_grads_inter`` loads three [C, 64] and two [64, 64] float32 tiles per step;
         three stages would need 240 KiB of shared memory, over the 227 KiB a block gets on
-        the H100 and the H200. The other two kernels were measured with it."""
+        the H100 and the H200. The other two kernels were measured with it (the sub-chunk
+        kernel: 44.8 ms for the three at T = 32768, H = 64, K = 128 against 49.1 with one
+        stage)."""
         return cls(num_stages=2)
+
+    @classmethod
+    def sub_chunk(cls) -> "ChunkBlocks":
+        """KDA's forward gated sums (``kda_gated_sums``): one pipeline stage. Measured on
+        the H100 at T = 32768, H = 64, K = 128: 8.7 ms against 10.9 with three; two or one
+        warps, or blocks of 32 columns, took 15 to 37 ms."""
+        return cls(num_stages=1)
 
     def cols(self, d: int) -> int:
         """Columns per loop step over a width of d."""

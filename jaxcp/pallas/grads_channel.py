@@ -40,8 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, chunk_cumsum, f32, iota, sub_chunk_specs,
-                                  within_sub_chunk)
+                                  check_chunk, chunk_cumsum, f32, iota, sub_chunk_specs)
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -140,16 +139,17 @@ def _wy_kernel(*refs, names, dots, blocks):
     r.da[...] = jnp.where(iota((C, C), 0) > iota((C, C), 1), da, 0.0)
 
 
-_SumsRefs = refs_type("_SumsRefs", "q k g G beta mq da mq_flat da_flat dq_in dk_in dg_in "
+_SumsRefs = refs_type("_SumsRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in dg_in "
                                     "dbeta_in dq dk dg dbeta")
 
 
 def _sums_kernel(*refs, names, dots, blocks):
-    """Step 3 of the module docstring for sub-chunk b of one (chunk, head): from q, k, g, G
+    """Step 3 of the module docstring for sub-chunk b of one (chunk, head): from q, k, G
     [C, K], beta [C], Mq, dA [C, C] (and as mq_flat, da_flat [C * C]), adds the gated sums
     to the S rows of b of dq, dk, dG [S, K] and dbeta [S] in place. Across sub-chunks one
     product per other sub-chunk s ([S, S] blocks of Mq and dA with [S, bk] tiles); within b
-    token by token, the bands gathered from the flat matrices."""
+    one partner row p at a time, the entries of Mq and dA in its row and column of the
+    diagonal block gathered from the flat matrices."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
     S = SUB_CHUNK
@@ -163,7 +163,7 @@ def _sums_kernel(*refs, names, dots, blocks):
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        gates = ChannelGates(r.G, r.g, cols, sc)
+        gates = ChannelGates(r.G, cols, sc)
         q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
 
         # the sub-chunk's rows as the later i: R_i = sum_{j < i} M_ij y_j E_ij
@@ -172,21 +172,6 @@ def _sums_kernel(*refs, names, dots, blocks):
             k_s = f32(r.k[SubChunk.of(s), cols]) * gates.before(s)
             return (rq + dot(f32(r.mq[own, SubChunk.of(s)]), k_s),
                     rk + dot(f32(r.da[own, SubChunk.of(s)]), k_s))
-
-        def down(step, acc):
-            rq, rk = acc
-            k_partner = sc.gather(r.k, step.partner, cols) * step.decay
-            return (rq + sc.band_of(r.mq_flat, step, C, transposed=False)[:, None] * k_partner,
-                    rk + sc.band_of(r.da_flat, step, C, transposed=False)[:, None] * k_partner)
-
-        rq, rk = lax.fori_loop(0, sc.index, before, (zero, zero))
-        from_first = gates.from_first()
-        rq, rk = within_sub_chunk(sc, gates, down, (rq * from_first, rk * from_first),
-                                  upward=False)
-        r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
-        dk = f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
-        dg = f32(r.dg_in[:, cols]) + q_own * rq + beta_own * rk * k_own
-        dbeta = dbeta + jnp.sum(k_own * rk, axis=1)
 
         # the sub-chunk's rows as the earlier j: Q_j = sum_{i > j} M_ij x_i E_ij
         def after(s, acc):
@@ -197,20 +182,33 @@ def _sums_kernel(*refs, names, dots, blocks):
             return (cq + dot(f32(r.mq[SubChunk.of(s), own]).T, q_s),
                     ck + dot(f32(r.da[SubChunk.of(s), own]).T, k_s))
 
-        def up(step, acc):
-            cq, ck = acc
-            q_partner = sc.gather(r.q, step.partner, cols) * step.decay
-            k_partner = (sc.gather(r.k, step.partner, cols) * step.decay
-                         * sc.gather_vec(r.beta, step.partner)[:, None])
-            return (cq + sc.band_of(r.mq_flat, step, C, transposed=True)[:, None] * q_partner,
-                    ck + sc.band_of(r.da_flat, step, C, transposed=True)[:, None] * k_partner)
-
+        rq, rk = lax.fori_loop(0, sc.index, before, (zero, zero))
         cq, ck = lax.fori_loop(sc.index + 1, C // S, after, (zero, zero))
-        to_last = gates.to_last()
-        cq, ck = within_sub_chunk(sc, gates, up, (cq * to_last, ck * to_last), upward=True)
-        r.dk[:, cols] = dk + cq + ck
-        r.dg[:, cols] = dg - (cq + ck) * k_own
-        return dbeta
+        from_first, to_last = gates.from_first(), gates.to_last()
+
+        # within the sub-chunk: the diagonal block's entries in the partner's column (the
+        # sub-chunk's rows as the later i) and row (as the earlier j)
+        def partner(pt, acc):
+            rq, rk, cq, ck = acc
+            mq_col = jnp.where(pt.later, sc.column_of(r.mq_flat, pt.index, C), 0.0)[:, None]
+            da_col = jnp.where(pt.later, sc.column_of(r.da_flat, pt.index, C), 0.0)[:, None]
+            mq_row = jnp.where(pt.earlier, sc.row_of(r.mq_flat, pt.index, C), 0.0)[:, None]
+            da_row = (jnp.where(pt.earlier, sc.row_of(r.da_flat, pt.index, C), 0.0)[:, None]
+                      * f32(r.beta[pl.ds(pt.row, 1)]))
+            k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
+            q_p = f32(r.q[pl.ds(pt.row, 1), cols]) * pt.decay
+            return rq + mq_col * k_p, rk + da_col * k_p, cq + mq_row * q_p, ck + da_row * k_p
+
+        acc = (rq * from_first, rk * from_first, cq * to_last, ck * to_last)
+        for pt in gates.partners():
+            acc = partner(pt, acc)
+        rq, rk, cq, ck = acc
+        r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
+        r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
+                         + cq + ck)
+        r.dg[:, cols] = (f32(r.dg_in[:, cols]) + q_own * rq + beta_own * rk * k_own
+                         - (cq + ck) * k_own)
+        return dbeta + jnp.sum(k_own * rk, axis=1)
 
     r.dbeta[...] = lax.fori_loop(0, K // bk, block, f32(r.dbeta_in[...]))
 
@@ -274,7 +272,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     flat = lambda m: m.reshape(NT, B, HV, C * C)
     sums = Operands()
     for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k),
-                            ("g", ss.chunk(K), g), ("G", ss.chunk(K), chunk_cumsum(g)),
+                            ("G", ss.chunk(K), chunk_cumsum(g)),
                             ("beta", ss.chunk_vec, beta),
                             ("mq", ss.chunk(C), step1["mq"]), ("da", ss.chunk(C), step2["da"]),
                             ("mq_flat", ss.square_flat, flat(step1["mq"])),

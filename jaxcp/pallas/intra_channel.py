@@ -20,9 +20,8 @@ sub-chunks of S = 16 rows, so that no factor exceeds 1 whatever the gates:
 - j in a sub-chunk s before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
   exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so each such [S, S] block is a
   tensor-core product (x exp(G - G_r)) (k_s exp(G_r - G_s))^T;
-- j in the sub-chunk of i: token by token in the distance delta = i - j (1 .. S - 1), each
-  exp(sum_{s = j+1 .. i} g_s) from a partial sum grown by one row of g per step, so that it
-  is exact to rounding even for gates of -1e3 (no difference of two large cumsums).
+- j in the sub-chunk of i: pair by pair, one column j at a time, exp(G_id - G_jd) <= 1 as
+  the jnp twin takes it.
 
 Every exponent is <= 0, so the terms are finite for any g <= 0. Then
 
@@ -39,18 +38,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, chunk_cumsum, f32, iota, place,
-                                  sub_chunk_specs, within_sub_chunk)
+                                  check_chunk, chunk_cumsum, f32, sub_chunk_specs)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
-_SumsRefs = refs_type("_SumsRefs", "q k g G beta a attn")
+_SumsRefs = refs_type("_SumsRefs", "q k G beta a attn")
 
 
 def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
-    """From q, k, g, G [C, K] and beta [S] of one (chunk, head), the S rows of sub-chunk b
+    """From q, k, G [C, K] and beta [S] of one (chunk, head), the S rows of sub-chunk b
     of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and attn = scale lower(sum_d q_id
     k_jd E_ijd), [S, C] each, written as [S, S] blocks: one per sub-chunk before b, the
     diagonal block, zeros after."""
@@ -61,7 +59,7 @@ def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     sc = SubChunk()
     beta = f32(r.beta[...])[:, None]
     key_blocks = [pl.ds(j * bk, bk) for j in range(K // bk)]
-    gates = [ChannelGates(r.G, r.g, cols, sc) for cols in key_blocks]
+    gates = [ChannelGates(r.G, cols, sc) for cols in key_blocks]
     # the sub-chunk's rows and their factors exp(G_i - G_r), for every block of channels
     k_own = [sc.rows(r.k, cols) for cols in key_blocks]
     q_own = [sc.rows(r.q, cols) for cols in key_blocks]
@@ -79,21 +77,15 @@ def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
 
     lax.fori_loop(0, sc.index, before, 0)
 
-    # the diagonal block, token by token
+    # the diagonal block, one partner row p at a time (j = i included in attn, decay 1)
     a = attn = jnp.zeros((S, S), jnp.float32)
-    qk_diagonal = jnp.zeros((S,), jnp.float32)          # j = i, decay 1
     for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
-        def body(step, acc, cols=cols, k=k, q=q):
-            a, attn = acc
-            k_partner = sc.gather(r.k, step.partner, cols) * step.decay
-            return (a + place(step, jnp.sum(k * k_partner, axis=1)),
-                    attn + place(step, jnp.sum(q * k_partner, axis=1)))
-
-        a, attn = within_sub_chunk(sc, gt, body, (a, attn), upward=False)
-        qk_diagonal = qk_diagonal + jnp.sum(q * k, axis=1)
-    eye = iota((S, S), 0) == iota((S, S), 1)
+        for pt in gt.partners():
+            k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
+            a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
+            attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
     r.a[:, sc.own] = beta * a
-    r.attn[:, sc.own] = scale * (attn + jnp.where(eye, qk_diagonal[:, None], 0.0))
+    r.attn[:, sc.own] = scale * attn
 
     def after(s, carry):
         r.a[:, SubChunk.of(s)] = jnp.zeros((S, S), r.a.dtype)
@@ -140,10 +132,10 @@ def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise:
     rows). Shapes and precise as in ``intra_chunk``."""
     NT, B, HV, C, K = k.shape
     check_chunk(C)
-    blocks = blocks or ChunkBlocks.default(K, q.dtype)
+    blocks = blocks or ChunkBlocks.sub_chunk()
     sp = sub_chunk_specs(C)
     ins = Operands()
-    for name, x in (("q", q), ("k", k), ("g", g), ("G", chunk_cumsum(g))):
+    for name, x in (("q", q), ("k", k), ("G", chunk_cumsum(g))):
         ins.add(name, sp.chunk(K), x)
     ins.add("beta", sp.rows_vec, beta)
 
@@ -199,16 +191,19 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
                 interpret: bool = False, precise: bool = True,
-                blocks: ChunkBlocks | None = None) -> ChunkTerms:
+                blocks: ChunkBlocks | None = None,
+                sub_chunk_blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
     [NT, B, HV, C], chunk layout, C a multiple of 16. precise: 3xTF32 products (fp32
     inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
     ``common.dots``). The terms are float32, as the jnp twin's. blocks: the launch
-    configuration (``ChunkBlocks.default`` if None)."""
-    kw = dict(interpret=interpret, precise=precise, blocks=blocks)
-    a, attn = gated_sums(q, k, g, beta, scale, **kw)
-    terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, **kw)
+    configuration of ``wy_terms`` (``ChunkBlocks.default`` if None), sub_chunk_blocks that
+    of ``gated_sums`` (``ChunkBlocks.sub_chunk`` if None)."""
+    kw = dict(interpret=interpret, precise=precise)
+    a, attn = gated_sums(q, k, g, beta, scale, blocks=sub_chunk_blocks, **kw)
+    terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, blocks=blocks,
+                     **kw)
     return terms._replace(attn=attn)
 
 
