@@ -237,9 +237,12 @@ def _profile_kda(args, cu):
 
 def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
-    gated sums and the cotangent kernels under ``ChunkBlocks`` (warps, pipeline stages,
-    columns per block), the state recurrences under ``StateBlocks``. A variant that cannot
+    gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
+    pipeline stages, the sub-chunk kernels' launch order), the state recurrences under
+    ``StateBlocks``. A variant that cannot
     compile is reported, not fatal."""
+    from dataclasses import replace
+
     import jax.numpy as jnp
     from jaxcp.gate import Gate
     from jaxcp.pallas import grads_channel, intra_channel
@@ -253,14 +256,19 @@ def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interp
             print(f"variant: {name:35} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
     q, k, v, g, beta = xs
-    for col, warps, stages in ((64, 4, 3), (64, 8, 1), (64, 2, 1), (32, 4, 1)):
-        b = ChunkBlocks(col_block=col, num_warps=warps, num_stages=stages)
-        variant(f"gated sums {col} columns, {warps} warps, {stages} stages",
+    chunk_blocks = lambda col, warps, stages: (f"{col} columns, {warps} warps, {stages} stages",
+                                               ChunkBlocks(col, warps, stages))
+    launch_order = ("sub-chunks first in the grid", replace(ChunkBlocks.sub_chunk(),
+                                                            sub_chunks_first=True))
+    for how, b in [chunk_blocks(64, 4, 3), chunk_blocks(64, 8, 1), chunk_blocks(64, 2, 1),
+                   chunk_blocks(32, 4, 1), launch_order]:
+        variant(f"gated sums {how}",
                 lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
                                                          interpret=interpret), q, k, g, beta)
-    for col, warps, stages in ((64, 4, 1), (64, 8, 2), (32, 4, 2)):
-        b = ChunkBlocks(col_block=col, num_warps=warps, num_stages=stages)
-        variant(f"chunk_grads {col} columns, {warps} warps, {stages} stages",
+    launch_order = (launch_order[0], replace(ChunkBlocks.channel_grads(), sub_chunks_first=True))
+    for how, b in [chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
+                   launch_order]:
+        variant(f"chunk_grads {how}",
                 lambda *a, b=b: grads_channel.chunk_grads(*a[:5], scale, *a[5:], blocks=b,
                                                           interpret=interpret),
                 *xs, terms, h, vn, x, dvn, do)

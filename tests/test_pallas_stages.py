@@ -1,4 +1,6 @@
 """Each Pallas stage (interpret mode on the CPU) against its XLA twin."""
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jaxcp.pallas import grads_channel as pgrads_channel
 from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import intra_channel
 from jaxcp.pallas import state as pstate
+from jaxcp.pallas.config import ChunkBlocks
 from helpers import assert_rel, make_inputs, rel_err
 
 KINDS = ["gdn", "kda"]
@@ -224,6 +227,25 @@ def test_intra_chunk_kda_very_negative_gates(gates):
         a, b, ref = getattr(got, name), getattr(want, name), getattr(exact, name)
         assert bool(jnp.all(jnp.isfinite(a))), name
         assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
+
+
+def test_kda_sub_chunks_first_launch_order():
+    """With the sub-chunk first in the sub-chunk kernels' grid (a launch order), the gated
+    sums and the cotangents are the same numbers."""
+    args = kda_chunks(32, 32, 16, "random")
+    first = replace(ChunkBlocks.sub_chunk(), sub_chunks_first=True)
+    want = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True)
+    got = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True,
+                                   blocks=first)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    args, terms, rest = kda_grads_inputs(32, 32, 16, "random")
+    want = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
+    got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True,
+                                     blocks=replace(ChunkBlocks.channel_grads(),
+                                                    sub_chunks_first=True))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
 
 
 def kda_grads_inputs(C, K, V, gates):

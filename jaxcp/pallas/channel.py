@@ -95,10 +95,13 @@ class ChannelBlock:
 
 
 class SubChunkSpecs(NamedTuple):
-    """BlockSpecs of a grid over (chunk, batch, head, sub-chunk) on chunk-layout arrays:
-    `chunk(d)` the whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of
+    """The grid over (chunk, batch, head, sub-chunk) of chunk-layout arrays, and its
+    BlockSpecs: `chunk(d)` the whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of
     [NT, B, HV, C], `square_flat` a [C, C] matrix per chunk as [NT, B, HV, C * C];
-    `rows(d)` and `rows_vec` the program's sub-chunk, S rows."""
+    `rows(d)` and `rows_vec` the program's sub-chunk, S rows. axis: the grid axis of the
+    sub-chunk (``grid_order``)."""
+    grid: tuple
+    axis: int
     chunk: Callable
     chunk_vec: pl.BlockSpec
     square_flat: pl.BlockSpec
@@ -106,25 +109,51 @@ class SubChunkSpecs(NamedTuple):
     rows_vec: pl.BlockSpec
 
 
-def sub_chunk_specs(C: int) -> SubChunkSpecs:
+def sub_chunk_axis(sub_chunks_first: bool) -> int:
+    """The grid axis of the sub-chunk: 0 (sub_chunks_first) or 3 (after chunk, batch,
+    head). Triton's first launch axis varies fastest, and Pallas folds the leading grid axes
+    into it, the first of them fastest: with the sub-chunk first, the programs of one chunk
+    launch next to each other and share the chunk's rows in L2; last, they launch
+    NT * B * HV programs apart."""
+    return 0 if sub_chunks_first else 3
+
+
+def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) -> SubChunkSpecs:
     S = SUB_CHUNK
+    axis = sub_chunk_axis(sub_chunks_first)
+    grid = (NT, B, HV, C // S)
+    if sub_chunks_first:
+        grid = (C // S, NT, B, HV)
+
+    def at(index_map):
+        """index_map(t, b, h, s) as a function of the program ids in grid order."""
+        if sub_chunks_first:
+            return lambda s, t, b, h: index_map(t, b, h, s)
+        return index_map
+
     return SubChunkSpecs(
-        chunk=lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h, s: (t, b, h, 0, 0)),
-        chunk_vec=pl.BlockSpec((None, None, None, C), lambda t, b, h, s: (t, b, h, 0)),
-        square_flat=pl.BlockSpec((None, None, None, C * C), lambda t, b, h, s: (t, b, h, 0)),
-        rows=lambda d: pl.BlockSpec((None, None, None, S, d), lambda t, b, h, s: (t, b, h, s, 0)),
-        rows_vec=pl.BlockSpec((None, None, None, S), lambda t, b, h, s: (t, b, h, s)),
+        grid=grid,
+        axis=axis,
+        chunk=lambda d: pl.BlockSpec((None, None, None, C, d),
+                                     at(lambda t, b, h, s: (t, b, h, 0, 0))),
+        chunk_vec=pl.BlockSpec((None, None, None, C), at(lambda t, b, h, s: (t, b, h, 0))),
+        square_flat=pl.BlockSpec((None, None, None, C * C),
+                                 at(lambda t, b, h, s: (t, b, h, 0))),
+        rows=lambda d: pl.BlockSpec((None, None, None, S, d),
+                                    at(lambda t, b, h, s: (t, b, h, s, 0))),
+        rows_vec=pl.BlockSpec((None, None, None, S), at(lambda t, b, h, s: (t, b, h, s))),
     )
 
 
 class SubChunk:
-    """This program's sub-chunk b (grid axis 3): first row r = b S, last row e = r + S - 1,
+    """This program's sub-chunk b (grid axis `axis`, ``sub_chunk_axis``): first row r = b S,
+    last row e = r + S - 1,
     local rows l = 0 .. S - 1 [S]; loaders of the rows of a sub-chunk (this one, or another
     s) of a block of columns, and of the entries of a flat [C, C] matrix in its rows,
     columns and diagonal."""
 
-    def __init__(self):
-        self.index = pl.program_id(3)
+    def __init__(self, axis: int):
+        self.index = pl.program_id(axis)
         self.first = self.index * SUB_CHUNK
         self.last = self.first + SUB_CHUNK - 1
         self.local = iota((SUB_CHUNK,), 0)

@@ -57,10 +57,13 @@ class StateBlocks:
 
 @dataclass(frozen=True)
 class ChunkBlocks:
-    """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages."""
+    """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages;
+    sub_chunks_first: KDA's sub-chunk kernels put the sub-chunk first in their grid, so that
+    the programs of one chunk launch next to each other (``channel.sub_chunk_axis``)."""
     col_block: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    sub_chunks_first: bool = False
 
     @classmethod
     def default(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":

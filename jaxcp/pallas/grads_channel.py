@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, chunk_cumsum, f32, iota, sub_chunk_specs)
+                                  check_chunk, chunk_cumsum, f32, iota, sub_chunk_axis,
+                                  sub_chunk_specs)
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -155,7 +156,7 @@ def _sums_kernel(*refs, names, dots, blocks):
     S = SUB_CHUNK
     bk = blocks.cols(K)
     dot = dots.plain
-    sc = SubChunk()
+    sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
     own = sc.own
     mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
@@ -268,7 +269,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy",
                     aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
 
-    ss = sub_chunk_specs(C)
+    ss = sub_chunk_specs(NT, B, HV, C, blocks.sub_chunks_first)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
     sums = Operands()
     for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k),
@@ -288,7 +289,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
             out.add(name, ss.rows(K), f32_like(struct, k))
         out.add("dbeta", ss.rows_vec, f32_like(struct, beta))
 
-    step3, _ = call(_sums_kernel, (NT, B, HV, C // SUB_CHUNK), sums, sums_outs,
+    step3, _ = call(_sums_kernel, ss.grid, sums, sums_outs,
                     name="kda_grads_gated_sums",
                     aliases={"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"},
                     **kw)

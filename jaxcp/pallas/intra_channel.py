@@ -38,7 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, chunk_cumsum, f32, sub_chunk_specs)
+                                  check_chunk, chunk_cumsum, f32, sub_chunk_axis,
+                                  sub_chunk_specs)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
@@ -56,7 +57,7 @@ def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     C, K = r.k.shape
     S = SUB_CHUNK
     bk = blocks.cols(K)
-    sc = SubChunk()
+    sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
     beta = f32(r.beta[...])[:, None]
     key_blocks = [pl.ds(j * bk, bk) for j in range(K // bk)]
     gates = [ChannelGates(r.G, cols, sc) for cols in key_blocks]
@@ -133,7 +134,7 @@ def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise:
     NT, B, HV, C, K = k.shape
     check_chunk(C)
     blocks = blocks or ChunkBlocks.sub_chunk()
-    sp = sub_chunk_specs(C)
+    sp = sub_chunk_specs(NT, B, HV, C, blocks.sub_chunks_first)
     ins = Operands()
     for name, x in (("q", q), ("k", k), ("G", chunk_cumsum(g))):
         ins.add(name, sp.chunk(K), x)
@@ -143,7 +144,7 @@ def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise:
         out.add("a", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
         out.add("attn", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
 
-    res, _ = call(_sums_kernel, (NT, B, HV, C // SUB_CHUNK), ins, outs, name="kda_gated_sums",
+    res, _ = call(_sums_kernel, sp.grid, ins, outs, name="kda_gated_sums",
                   params=blocks.params(interpret), scale=scale,
                   dots=make_dots(precise, interpret), blocks=blocks)
     return res["a"], res["attn"]
