@@ -95,13 +95,12 @@ class ChannelBlock:
 
 
 class SubChunkSpecs(NamedTuple):
-    """The grid over (chunk, batch, head, sub-chunk) of chunk-layout arrays, and its
-    BlockSpecs: `chunk(d)` the whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of
-    [NT, B, HV, C], `square_flat` a [C, C] matrix per chunk as [NT, B, HV, C * C];
-    `rows(d)` and `rows_vec` the program's sub-chunk, S rows. axis: the grid axis of the
-    sub-chunk (``grid_order``)."""
+    """The grid of one program per (chunk, batch, head, sub-chunk), in the order
+    ``sub_chunk_axis`` gives, and its BlockSpecs on chunk-layout arrays: `chunk(d)` the
+    whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of [NT, B, HV, C],
+    `square_flat` a [C, C] matrix per chunk as [NT, B, HV, C * C]; `rows(d)` and
+    `rows_vec` the program's sub-chunk, S rows."""
     grid: tuple
-    axis: int
     chunk: Callable
     chunk_vec: pl.BlockSpec
     square_flat: pl.BlockSpec
@@ -120,7 +119,6 @@ def sub_chunk_axis(sub_chunks_first: bool) -> int:
 
 def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) -> SubChunkSpecs:
     S = SUB_CHUNK
-    axis = sub_chunk_axis(sub_chunks_first)
     grid = (NT, B, HV, C // S)
     if sub_chunks_first:
         grid = (C // S, NT, B, HV)
@@ -133,7 +131,6 @@ def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) ->
 
     return SubChunkSpecs(
         grid=grid,
-        axis=axis,
         chunk=lambda d: pl.BlockSpec((None, None, None, C, d),
                                      at(lambda t, b, h, s: (t, b, h, 0, 0))),
         chunk_vec=pl.BlockSpec((None, None, None, C), at(lambda t, b, h, s: (t, b, h, 0))),
@@ -146,11 +143,10 @@ def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) ->
 
 
 class SubChunk:
-    """This program's sub-chunk b (grid axis `axis`, ``sub_chunk_axis``): first row r = b S,
-    last row e = r + S - 1,
-    local rows l = 0 .. S - 1 [S]; loaders of the rows of a sub-chunk (this one, or another
-    s) of a block of columns, and of the entries of a flat [C, C] matrix in its rows,
-    columns and diagonal."""
+    """This program's sub-chunk b (grid axis `axis`, ``sub_chunk_axis``): first row
+    r = b S, last row e = r + S - 1, local rows l = 0 .. S - 1 [S]; loaders of the rows of
+    a sub-chunk (this one, or another s) of a block of columns, and of the entries of a flat
+    [C, C] matrix in its rows, columns and diagonal."""
 
     def __init__(self, axis: int):
         self.index = pl.program_id(axis)

@@ -11,9 +11,9 @@ Two families of kernels, two configurations:
   columns so that no [C, K] or [C, V] tile stays live across the kernel.
 
 ``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
-``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``). The numbers were measured
-on the H100 and the H200 (docs/benchmarks/kernels.md), where they are the same; ``device``
-(``jax.Device.device_kind``) is where a per-device choice goes.
+``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``). The
+numbers were measured on the H100 and the H200 (docs/benchmarks/kernels.md), where they are
+the same; ``device`` (``jax.Device.device_kind``) is where a per-device choice goes.
 """
 from __future__ import annotations
 
