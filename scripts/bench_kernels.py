@@ -63,23 +63,16 @@ def run_fla(op: str, configs, iters: int) -> list[dict]:
 
 def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda: None,
               compile_threads: int = 8) -> list[dict]:
-    import numpy as np
     import jax
-    import jax.numpy as jnp
     import jaxcp
+    from jaxcp.bench.kernels import jaxcp_inputs
     from jaxcp.bench.timing import forward_backward, time_side_by_side
 
     device = jax.devices()[0].device_kind
     out = []
     for T, H, D in configs:
-        rng = np.random.default_rng(0)
-        r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-        q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
-        gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
-        g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal(gate_shape), jnp.float32))
+        q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
         jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
-        beta = jax.nn.sigmoid(r(1, T, H))
-        do = r(1, T, H, D)
         jobs = []     # (impl, pass, jitted function)
         for impl in impls:
             backend = impl.removeprefix("jaxcp-")

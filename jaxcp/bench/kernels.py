@@ -27,6 +27,23 @@ def floor_ms(op: str, T: int, H: int, D: int, passes: str, device: str) -> float
     return 1e3 * max(bytes_ / bw, flops / peak)
 
 
+def jaxcp_inputs(op: str, T: int, H: int, D: int):
+    """q, k, v [1, T, H, D] bf16 (normal), g float32 (log-sigmoid of normal; [1, T, H, D] for
+    KDA, [1, T, H] for GDN), beta [1, T, H] bf16 (sigmoid of normal) and an output cotangent
+    do [1, T, H, D] bf16; seed 0."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
+    gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
+    g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal(gate_shape), jnp.float32))
+    beta = jax.nn.sigmoid(r(1, T, H))
+    return q, k, v, g, beta, r(1, T, H, D)
+
+
 def op_of(records: list[dict]) -> str:
     """The one op ("gdn" or "kda") that the records time."""
     ops = {r["op"] for r in records}

@@ -1,0 +1,121 @@
+"""Per-kernel GPU time of one forward+backward, jaxcp's or FLA's, under Nsight Compute.
+
+    M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread
+    ncu --profile-from-start off --clock-control none --csv --print-units base --metrics $M \\
+        python scripts/profile_kernels.py run --impl jaxcp --op kda --T 8192 --H 64 --D 128 > jaxcp.csv
+    ncu ... python scripts/profile_kernels.py run --impl fla --op kda --T 8192 --H 64 --D 128 > fla.csv
+    python scripts/profile_kernels.py table jaxcp=jaxcp.csv fla=fla.csv
+
+`run` makes the inputs of scripts/bench_kernels.py (B = 1, bf16, q/k normalised inside the
+op), calls the forward+backward twice (compilation, FLA's autotuning), then once more
+between cuProfilerStart and cuProfilerStop, so that ncu (--profile-from-start off) profiles
+that call's kernels alone. jaxcp runs ``backend="pallas"``; FLA (its ``chunk_kda`` or
+``chunk_gated_delta_rule``, fused norm) must be importable. `table` sums each CSV per kernel
+name (``jaxcp.bench.ncu``) and prints one markdown table per LABEL=CSV.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+from jaxcp.cli import OneLineParser
+
+
+def _parser():
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="one profiled forward+backward (under ncu)")
+    run.add_argument("--impl", choices=("jaxcp", "fla"), required=True)
+    run.add_argument("--op", choices=("gdn", "kda"), default="kda")
+    for flag, default in (("--T", 8192), ("--H", 64), ("--D", 128)):
+        run.add_argument(flag, type=int, default=default)
+    table = sub.add_parser("table", help="per-kernel tables from ncu CSVs")
+    table.add_argument("runs", nargs="+", metavar="LABEL=CSV")
+    return ap
+
+
+def _profiled(call) -> None:
+    """call() (which waits for its GPU work) twice, then once between cuProfilerStart and
+    cuProfilerStop, with device 0's primary context (the one JAX and torch use) current."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(name, *args):
+        status = getattr(cuda, name)(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} returned CUDA error {status}")
+
+    call()
+    call()
+    context = ctypes.c_void_p()
+    check("cuInit", 0)
+    check("cuDevicePrimaryCtxRetain", ctypes.byref(context), 0)
+    check("cuCtxPushCurrent_v2", context)
+    check("cuProfilerStart")
+    call()
+    check("cuProfilerStop")
+    check("cuCtxPopCurrent_v2", ctypes.byref(context))
+
+
+def _run_jaxcp(op: str, T: int, H: int, D: int) -> None:
+    import jax
+    import jaxcp
+    from jaxcp.bench.kernels import jaxcp_inputs
+    from jaxcp.bench.timing import forward_backward
+
+    q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
+    jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
+    call = lambda *xs: jaxcp_op(*xs, use_qk_l2norm_in_kernel=True, backend="pallas")[0]
+    step = jax.jit(forward_backward(call, range(5), do))
+    _profiled(lambda: jax.block_until_ready(step(q, k, v, g, beta)))
+
+
+def _run_fla(op: str, T: int, H: int, D: int) -> None:
+    import torch
+    from jaxcp.bench import fla
+
+    fla_op = fla.op(op)
+    q, k, v, g, beta = fla.inputs(op, T, H, D)
+    do = torch.randn_like(v)
+
+    def call():
+        fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
+        torch.cuda.synchronize()
+
+    _profiled(call)
+
+
+def _table(ap, runs: list[str]) -> None:
+    from jaxcp.bench import ncu
+
+    tables = {}
+    for run in runs:
+        label, sep, path = run.partition("=")
+        if not sep or not label or not path:
+            ap.error(f"runs: expected LABEL=CSV, got {run!r}")
+        try:
+            with open(path) as f:
+                tables[label] = ncu.kernel_times(f.read())
+        except (OSError, ValueError) as e:
+            ap.error(f"runs: {path}: {e}")
+    print(ncu.markdown(tables))
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command == "table":
+        _table(ap, args.runs)
+        return 0
+    for flag in ("T", "H", "D"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be positive")
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        ap.error("run needs an NVIDIA GPU (libcuda.so.1 not found)")
+    (_run_jaxcp if args.impl == "jaxcp" else _run_fla)(args.op, args.T, args.H, args.D)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
