@@ -37,7 +37,8 @@ class CoreConfig:
     "relay" (all_to_all wraps the op without CP, see ``cp.all_to_all``). backend: "xla",
     "pallas" or "interpret"; whether q, k, v, g, beta (and o) are token-major
     [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
-    normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C."""
+    normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C.
+    gate_bound: a bound every decay respects, or None (``stages.StageOptions``)."""
     scale: float
     output_final_state: bool
     gate: Gate
@@ -47,11 +48,12 @@ class CoreConfig:
     dot_dtype: str = "float32"
     normalize_qk: bool = False
     chunk_size: int = 64
+    gate_bound: float | None = None
 
     @property
     def stages(self) -> Stages:
         return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
-                          self.chunk_size)
+                          self.chunk_size, self.gate_bound)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:

@@ -15,7 +15,8 @@ from jaxcp.stages import implementation, resolve_backend
 
 
 def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-              cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend):
+              cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend,
+              gate_bound=None):
     world = check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                          chunk_size=chunk_size, backend=backend)
@@ -26,7 +27,8 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
             gate, q, k, v, g, beta, scale=scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=None,
-            cp_strategy="allgather", chunk_size=chunk_size, backend=backend)
+            cp_strategy="allgather", chunk_size=chunk_size, backend=backend,
+            gate_bound=gate_bound)
         return head_all_to_all(run, cp_axis, q, k, v, g, beta, initial_state)
 
     B, T, H, K = q.shape
@@ -57,7 +59,7 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
                      cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
                      dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
-                     chunk_size=chunk_size)
+                     chunk_size=chunk_size, gate_bound=gate_bound)
     o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(io)), chunk(g),
                                 chunk(f32(beta)), init, layout)
     if final is not None and cp_axis is not None:
@@ -133,12 +135,16 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
                           lower_bound=lower_bound)
+    gate_bound = None
     if use_gate_in_kernel:
         g = decay_from_raw(Gate.CHANNEL, g, A_log, dt_bias, lower_bound)
+        # the decay lies in (lower_bound, 0): with safe_gate the kernels may rely on it
+        gate_bound = float(lower_bound) if safe_gate else None
     return _chunk_op(Gate.CHANNEL, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
+                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend,
+                     gate_bound=gate_bound)
 
 
 _GDN_GATE_DOC = """
@@ -159,8 +165,11 @@ _KDA_GATE_DOC = """
       A_log: [HV] (optional with lower_bound); dt_bias: [HV * K] or None.
       lower_bound: a negative float; the decay then lies in (lower_bound, 0).
       safe_gate: FLA's flag for its bounded-gate fast path; checked as FLA checks it
-        (lower_bound in [-5, 0) with use_gate_in_kernel). jaxcp's kernels are exact for any
-        gate <= 0, so it changes nothing else.
+        (lower_bound in [-5, 0) with use_gate_in_kernel). With use_gate_in_kernel the decay
+        then lies in (lower_bound, 0), and the Pallas kernels take each diagonal block of
+        16 x 16 tokens as one tensor-core product through a shifted reference instead of
+        pair by pair (same results to rounding). Without use_gate_in_kernel, g is the
+        caller's and no bound is assumed: safe_gate changes nothing.
 """
 
 

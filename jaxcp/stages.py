@@ -60,12 +60,16 @@ class StageOptions:
     """Static settings the stages are built for. dot_dtype: the operand dtype of the
     kernels' matrix products ("bfloat16" for bf16 inputs, as FLA does; accumulation and the
     state stay float32). normalize_qk: ``intra`` and ``chunk_grads`` take raw q, k and
-    L2-normalise them inside the kernels; the cotangents are those of the raw q, k."""
+    L2-normalise them inside the kernels; the cotangents are those of the raw q, k.
+    gate_bound: None, or a bound in [-5, 0) that every decay is known to respect (the KDA
+    gate computed with safe_gate and lower_bound), which KDA's Pallas kernels use for one
+    product per diagonal sub-chunk block (``pallas.channel``); the others ignore it."""
     gate: Gate
     interpret: bool = False
     dot_dtype: str = "float32"
     normalize_qk: bool = False
     chunk_size: int = 64
+    gate_bound: float | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         return intra_channel.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
-                                         interpret=o.interpret, precise=precise)
+                                         gate_bound=o.gate_bound, interpret=o.interpret,
+                                         precise=precise)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
         return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept,
@@ -151,7 +156,8 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # dbeta at 9e-3 to 1.2e-2 of the reference on the H100 (gpu_checks.md)
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
-                                         interpret=o.interpret, precise=True)
+                                         gate_bound=o.gate_bound, interpret=o.interpret,
+                                         precise=True)
 
     # The state recurrences keep KDA's terms in float32 (3xTF32 products) for every input
     # dtype. GDN's kd and qg reach them as the bf16 inputs times fp32 row factors, exact;
@@ -191,11 +197,12 @@ def implementation(backend: str, gate: Gate) -> Implementation:
 
 @lru_cache(maxsize=None)
 def stages_for(backend: str, gate: Gate, dot_dtype: str = "float32",
-               normalize_qk: bool = False, chunk_size: int = 64) -> Stages:
+               normalize_qk: bool = False, chunk_size: int = 64,
+               gate_bound: float | None = None) -> Stages:
     """The Stages of (backend, gate) built for these settings (see ``StageOptions``)."""
     impl = implementation(backend, gate)
     if normalize_qk and impl.normalize_max_k == 0:
         raise ValueError(f"normalize_qk: the {impl.backend} stages for the {gate.value} gate "
                          f"do not normalise q, k themselves")
     return impl.build(StageOptions(gate, backend == "interpret", dot_dtype, normalize_qk,
-                                   chunk_size))
+                                   chunk_size, gate_bound))

@@ -29,6 +29,8 @@ def _parser():
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
+    ap.add_argument("--gate-bound", type=float, default=None,
+                    help="the sub-chunk kernels' gate bound, in [-5, 0) (safe_gate)")
     return ap
 
 
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
             _parser().error(f"--{flag.replace('_', '-')} must be positive")
     if args.K % args.col_block and args.col_block < args.K:
         _parser().error("--col-block must divide --K")
+    if args.gate_bound is not None and not -5 <= args.gate_bound < 0:
+        _parser().error("--gate-bound must be in [-5, 0)")
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -106,14 +110,16 @@ def main(argv=None) -> int:
     scale = K ** -0.5
     programs = {
         "forward gated sums": (lambda q, k, g, beta: intra_channel.gated_sums(
-            q, k, g, beta, scale, precise=False, blocks=blocks), (tile, tile, tile, vec)),
+            q, k, g, beta, scale, gate_bound=args.gate_bound, precise=False, blocks=blocks),
+            (tile, tile, tile, vec)),
         "forward terms": (lambda q, k, v, g, beta, a: intra_channel.wy_terms(
             q, k, v, g, beta, scale, a=a, precise=False, blocks=blocks, with_inverse=True),
             (tile, tile, tile, tile, vec, square)),
         "cotangents": (lambda q, k, v, g, beta, w, u, inv, h, v_new, x, dvn, do:
                        grads_channel.chunk_grads(
                            q, k, v, g, beta, scale, ChunkTerms(w, u, None, None, None, None, inv),
-                           h, v_new, x, dvn, do, precise=True, blocks=blocks),
+                           h, v_new, x, dvn, do, gate_bound=args.gate_bound, precise=True,
+                           blocks=blocks),
                        (tile,) * 4 + (vec, tile, tile, square, state, tile, state, tile, tile)),
     }
     print(f"K = V = {K}, col_block {args.col_block}, {args.warps} warps, "

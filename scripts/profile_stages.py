@@ -238,8 +238,8 @@ def _profile_kda(args, cu):
 def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
-    pipeline stages, the sub-chunk kernels' launch order), the state recurrences under
-    ``StateBlocks``. A variant that cannot
+    pipeline stages, the sub-chunk kernels' launch order) and with safe_gate's gate bound,
+    the state recurrences under ``StateBlocks``. A variant that cannot
     compile is reported, not fatal."""
     from dataclasses import replace
 
@@ -265,6 +265,13 @@ def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interp
         variant(f"gated sums {how}",
                 lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
                                                          interpret=interpret), q, k, g, beta)
+    # the gate bound of safe_gate (lower_bound -5), on the gates clipped to it
+    bounded = jnp.maximum(g, -5.0)
+    variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(
+        *a, scale, gate_bound=-5.0, precise=False, interpret=interpret), q, k, bounded, beta)
+    variant("chunk_grads with gate bound -5", lambda *a: grads_channel.chunk_grads(
+        *a[:5], scale, *a[5:], gate_bound=-5.0, interpret=interpret),
+        q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
     launch_order = (launch_order[0], replace(ChunkBlocks.channel_grads(), sub_chunks_first=True))
     for how, b in [chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
                    launch_order]:

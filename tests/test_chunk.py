@@ -179,20 +179,22 @@ def _fla_gate(g_raw, A_log, dt_bias, lower_bound):
     return lower_bound * (1.0 / (1.0 + jnp.exp(-jnp.exp(A_log)[:, None] * x)))
 
 
-@pytest.mark.parametrize("kind, backend, lower_bound", [
-    ("gdn", "xla", None), ("gdn", "interpret", None), ("kda", "xla", None),
-    ("kda", "interpret", None), ("kda", "xla", -5.0), ("kda", "interpret", -5.0)])
-def test_gate_in_kernel(kind, backend, lower_bound):
+@pytest.mark.parametrize("kind, backend, lower_bound, safe_gate", [
+    ("gdn", "xla", None, False), ("gdn", "interpret", None, False), ("kda", "xla", None, False),
+    ("kda", "interpret", None, False), ("kda", "xla", -5.0, False),
+    ("kda", "interpret", -5.0, False), ("kda", "interpret", -5.0, True)])
+def test_gate_in_kernel(kind, backend, lower_bound, safe_gate):
     """use_gate_in_kernel: the op computes the decay from the raw gate, A_log and dt_bias
     (FLA's forms) and differentiates all three; it equals the token reference on the gate
-    computed outside, gradients through the gate included."""
+    computed outside, gradients through the gate included. safe_gate: the kernels take the
+    diagonal sub-chunk blocks through the bound, with the same results."""
     q, k, v, g_raw, beta, h0 = make_inputs(kind, 1, 70, 2, 2, 16, 16, n_states=1)
     keys = jax.random.split(jax.random.key(3), 2)
     A_log = jax.random.normal(keys[0], (2,)) * 0.5
     dt_bias = jax.random.normal(keys[1], (2 * (16 if kind == "kda" else 1),)) * 0.5
     wo, wf = cotangents(v.shape, h0.shape)
     op, ref = OPS[kind]
-    extra = {} if kind == "gdn" else dict(lower_bound=lower_bound)
+    extra = {} if kind == "gdn" else dict(lower_bound=lower_bound, safe_gate=safe_gate)
 
     def value_and_grads_of(call):
         def loss(*args):

@@ -229,6 +229,38 @@ def test_intra_chunk_kda_very_negative_gates(gates):
         assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
 
 
+@pytest.mark.parametrize("gates", ["uniform", "at the bound"])
+def test_kda_gate_bound(gates):
+    """With every gate in [-5, 0) and gate_bound = -5 (the diagonal sub-chunk blocks as
+    products through a shifted reference): the terms equal the XLA twin's, and the
+    cotangents are no further from the float64 ones than the twin's, also with every gate
+    at the bound (factors up to e^37.5; there the twin's dg is the less exact, 4e-5)."""
+    args, terms, rest = kda_grads_inputs(64, 32, 16, "random")
+    rng = np.random.default_rng(7)
+    g = {"uniform": lambda: -5.0 * jnp.asarray(rng.random(args[3].shape), jnp.float32),
+         "at the bound": lambda: jnp.full(args[3].shape, -5.0)}[gates]()
+    args = args[:3] + (g,) + args[4:]
+    want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
+    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, gate_bound=-5.0,
+                                    interpret=True)
+    assert_terms(got, want, 1e-5)
+    grads_want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
+    grads_got = pgrads_channel.chunk_grads(*args, 0.3, want, *rest, gate_bound=-5.0,
+                                           interpret=True)
+    exact = float64_chunk_grads(args, rest)
+    for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_got, grads_want,
+                               exact):
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
+
+
+@pytest.mark.parametrize("gate_bound", [-6.0, 0.0])
+def test_kda_gate_bound_outside_its_range_is_refused(gate_bound):
+    args = kda_chunks(16, 16, 16, "random")
+    with pytest.raises(ValueError, match="gate_bound"):
+        intra_channel.intra_chunk(*args, 0.3, gate_bound=gate_bound, interpret=True)
+
+
 def test_kda_sub_chunks_first_launch_order():
     """With the sub-chunk first in the sub-chunk kernels' grid (a launch order), the gated
     sums and the cotangents are the same numbers."""

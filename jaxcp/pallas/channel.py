@@ -15,6 +15,11 @@ holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
 - i and j in b: pair by pair, one row p of b at a time (``ChannelGates.partners``), the
   decay exp(-|G_i - G_j|) = exp(G_later - G_earlier) of the pair as the jnp stage takes it.
   The S steps do not depend on each other; each loads one row of G and of the operands.
+  With a gate bound (every gate in [gate_bound, 0), gate_bound >= -5: FLA's ``safe_gate``
+  with ``lower_bound``), the forward takes the diagonal block as one more product of its
+  loop over the sub-chunks before b, and the backward as products of the diagonal blocks of
+  Mq and dA, through a reference in the middle of the sub-chunk's possible span
+  (``diagonal_offset``), whose factors stay inside float32.
 
 The first two are tensor-core products of [S, S] and [S, bk] tiles, one per other
 sub-chunk s (a loop over the sub-chunks before or after b, so a program holds only [S, *]
@@ -44,6 +49,12 @@ def iota(shape, dim):
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def lower(x, *, strict: bool):
+    """x [n, n] below the diagonal (strict) or on and below it, 0 elsewhere."""
+    rows, cols = iota(x.shape, 0), iota(x.shape, 1)
+    return jnp.where(rows > cols if strict else rows >= cols, x, 0.0)
+
+
 def f32(x):
     return x.astype(jnp.float32)
 
@@ -56,6 +67,26 @@ def row_at(x, i: int):
 def chunk_cumsum(g):
     """G = cumsum(g) over each chunk's rows, float32, [..., C, K] (XLA)."""
     return jnp.cumsum(f32(g), axis=-2)
+
+
+MIN_GATE_BOUND = -5.0
+
+
+def check_gate_bound(gate_bound: float | None) -> None:
+    """gate_bound: None or in [MIN_GATE_BOUND, 0) (``diagonal_offset``)."""
+    if gate_bound is not None and not MIN_GATE_BOUND <= gate_bound < 0:
+        raise ValueError(f"gate_bound must be None or in [{MIN_GATE_BOUND}, 0), got "
+                         f"{gate_bound!r}")
+
+
+def diagonal_offset(gate_bound: float) -> float:
+    """(S - 1) gate_bound / 2, the middle of the span of G_l - G_r on a sub-chunk's rows l
+    (first row r) when every gate lies in [gate_bound, 0): that span is [(S - 1)
+    gate_bound, 0], so exp(G_l - G_r - offset) and exp(G_r - G_p + offset) stay within
+    exp(+-(S - 1) |gate_bound| / 2) (e^+-37.5 at gate_bound = -5), inside float32, and
+    their products are the decays E_lp for p <= l (the pairs with p after l, up to e^75,
+    are masked after the product)."""
+    return 0.5 * (SUB_CHUNK - 1) * gate_bound
 
 
 def check_chunk(C: int) -> None:
@@ -205,6 +236,14 @@ class ChannelGates:
     def after(self, s):
         """exp(G_i - G_e) on the rows i of a sub-chunk s after this one, [S, bk]."""
         return jnp.exp(f32(self.G_ref[SubChunk.of(s), self.cols]) - self.G_last)
+
+    def diagonal_factors(self, gate_bound: float):
+        """exp(G_l - G_r - offset) and exp(G_r - G_l + offset) [S, bk] on the sub-chunk's
+        rows l (``diagonal_offset``): E_lp is the first at l times the second at p, for
+        p <= l. Only under a gate bound."""
+        offset = diagonal_offset(gate_bound)
+        return (jnp.exp(self.G_own - self.G_first - offset),
+                jnp.exp(self.G_first - self.G_own + offset))
 
     def partner(self, p: int):
         """Row p of the sub-chunk as the partner of its rows l (``Partner``)."""

@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, chunk_cumsum, f32, iota, sub_chunk_axis,
-                                  sub_chunk_specs)
+                                  check_chunk, check_gate_bound, chunk_cumsum, f32, iota,
+                                  lower, sub_chunk_axis, sub_chunk_specs)
 from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -144,13 +144,14 @@ _SumsRefs = refs_type("_SumsRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in
                                     "dbeta_in dq dk dg dbeta")
 
 
-def _sums_kernel(*refs, names, dots, blocks):
+def _sums_kernel(*refs, names, gate_bound, dots, blocks):
     """Step 3 of the module docstring for sub-chunk b of one (chunk, head): from q, k, G
     [C, K], beta [C], Mq, dA [C, C] (and as mq_flat, da_flat [C * C]), adds the gated sums
     to the S rows of b of dq, dk, dG [S, K] and dbeta [S] in place. Across sub-chunks one
     product per other sub-chunk s ([S, S] blocks of Mq and dA with [S, bk] tiles); within b
     one partner row p at a time, the entries of Mq and dA in its row and column of the
-    diagonal block gathered from the flat matrices."""
+    diagonal block gathered from the flat matrices, or with a gate bound four products of
+    the diagonal blocks."""
     r = named(_SumsRefs, names, refs)
     C, K = r.k.shape
     S = SUB_CHUNK
@@ -161,6 +162,19 @@ def _sums_kernel(*refs, names, dots, blocks):
     mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
     zero = jnp.zeros((S, bk), jnp.float32)
+
+    # with a gate bound, the diagonal block's rows and columns as products
+    # (``ChannelGates.diagonal_factors``); Mq's diagonal is added apart
+    if gate_bound is not None:
+        mq_block = lower(f32(r.mq[own, own]), strict=True)
+        da_block = f32(r.da[own, own])
+
+    def diagonal_products(gates, q_own, k_own):
+        left, right = gates.diagonal_factors(gate_bound)
+        k_right, k_left = k_own * right, k_own * left
+        return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
+                right * dot(mq_block.T, q_own * left),
+                right * dot(da_block.T, k_left * beta_own))
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
@@ -201,8 +215,11 @@ def _sums_kernel(*refs, names, dots, blocks):
             return rq + mq_col * k_p, rk + da_col * k_p, cq + mq_row * q_p, ck + da_row * k_p
 
         acc = (rq * from_first, rk * from_first, cq * to_last, ck * to_last)
-        for pt in gates.partners():
-            acc = partner(pt, acc)
+        if gate_bound is None:
+            for pt in gates.partners():
+                acc = partner(pt, acc)
+        else:
+            acc = [x + y for x, y in zip(acc, diagonal_products(gates, q_own, k_own))]
         rq, rk, cq, ck = acc
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
@@ -215,15 +232,17 @@ def _sums_kernel(*refs, names, dots, blocks):
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
-                interpret: bool = False, precise: bool = True,
+                gate_bound: float | None = None, interpret: bool = False, precise: bool = True,
                 blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) in the chunk layout (module
     docstring): (dq, dk, dv, dg, dbeta), float32, shapes of q, k, v, g, beta. terms must
-    carry the inverse (``intra_chunk(..., with_inverse=True)``). precise: 3xTF32 products
+    carry the inverse (``intra_chunk(..., with_inverse=True)``). gate_bound as in
+    ``intra_channel.intra_chunk``. precise: 3xTF32 products
     (fp32 inputs), else bf16 products. blocks: the launch configuration
     (``ChunkBlocks.channel_grads`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
+    check_gate_bound(gate_bound)
     NT, B, HV, C, K = k.shape
     V = v.shape[-1]
     check_chunk(C)
@@ -292,7 +311,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     step3, _ = call(_sums_kernel, ss.grid, sums, sums_outs,
                     name="kda_grads_gated_sums",
                     aliases={"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"},
-                    **kw)
+                    gate_bound=gate_bound, **kw)
     # dg_s = sum_{i >= s} dG_i over the chunk's rows
     dg = lax.cumsum(step3["dg"], axis=3, reverse=True)
     return step3["dq"], step3["dk"], step2["dv"], dg, step3["dbeta"]

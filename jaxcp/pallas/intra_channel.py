@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, chunk_cumsum, f32, sub_chunk_axis,
-                                  sub_chunk_specs)
+                                  check_chunk, check_gate_bound, chunk_cumsum, diagonal_offset,
+                                  f32, iota, sub_chunk_axis, sub_chunk_specs)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
@@ -48,7 +48,7 @@ from jaxcp.xla.intra import ChunkTerms
 _SumsRefs = refs_type("_SumsRefs", "q k G beta a attn")
 
 
-def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
+def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlocks):
     """From q, k, G [C, K] and beta [S] of one (chunk, head), the S rows of sub-chunk b
     of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and attn = scale lower(sum_d q_id
     k_jd E_ijd), [S, C] each, written as [S, S] blocks: one per sub-chunk before b, the
@@ -69,24 +69,35 @@ def _sums_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     def before(s, carry):
         a = attn = jnp.zeros((S, S), jnp.float32)
         for cols, gt, k, q, lf in zip(key_blocks, gates, k_own, q_own, left):
-            k_s = (f32(r.k[SubChunk.of(s), cols]) * gt.before(s)).T
-            a = a + dots.plain(k * lf, k_s)
-            attn = attn + dots.plain(q * lf, k_s)
+            k_s = f32(r.k[SubChunk.of(s), cols]) * gt.before(s)
+            if gate_bound is not None:
+                # s = b: the diagonal block, its factors moved to the middle of their span
+                # (``diagonal_offset``); 1 for the sub-chunks before b
+                shift = jnp.exp(diagonal_offset(gate_bound)
+                                * (s == sc.index).astype(jnp.float32))
+                k_s, lf = k_s * shift, lf / shift
+            a = a + dots.plain(k * lf, k_s.T)
+            attn = attn + dots.plain(q * lf, k_s.T)
+        if gate_bound is not None:    # the diagonal block's upper part is not a decay
+            off_diagonal = (s != sc.index).astype(jnp.int32)
+            rows, cols = iota((S, S), 0) + off_diagonal * S, iota((S, S), 1)
+            a, attn = jnp.where(rows > cols, a, 0.0), jnp.where(rows >= cols, attn, 0.0)
         r.a[:, SubChunk.of(s)] = beta * a
         r.attn[:, SubChunk.of(s)] = scale * attn
         return carry
 
-    lax.fori_loop(0, sc.index, before, 0)
+    lax.fori_loop(0, sc.index + (gate_bound is not None), before, 0)
 
-    # the diagonal block, one partner row p at a time (j = i included in attn, decay 1)
-    a = attn = jnp.zeros((S, S), jnp.float32)
-    for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
-        for pt in gt.partners():
-            k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
-            a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
-            attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
-    r.a[:, sc.own] = beta * a
-    r.attn[:, sc.own] = scale * attn
+    # the diagonal block (j = i included in attn, decay 1)
+    if gate_bound is None:
+        a = attn = jnp.zeros((S, S), jnp.float32)
+        for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
+            for pt in gt.partners():
+                k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
+                a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
+                attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
+        r.a[:, sc.own] = beta * a
+        r.attn[:, sc.own] = scale * attn
 
     def after(s, carry):
         r.a[:, SubChunk.of(s)] = jnp.zeros((S, S), r.a.dtype)
@@ -125,12 +136,14 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.u[:, cols] = dots.plain(inv_beta, f32(r.v[:, cols])).astype(r.u.dtype)
 
 
-def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise: bool = True,
+def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
+               interpret: bool = False, precise: bool = True,
                blocks: ChunkBlocks | None = None):
     """(A, attn) [NT, B, HV, C, C] float32: A = strict_lower(beta_i sum_d k_id k_jd
     exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
     cumsum of g (module docstring), one program per (chunk, batch, head, sub-chunk of 16
-    rows). Shapes and precise as in ``intra_chunk``."""
+    rows). Shapes, gate_bound and precise as in ``intra_chunk``."""
+    check_gate_bound(gate_bound)
     NT, B, HV, C, K = k.shape
     check_chunk(C)
     blocks = blocks or ChunkBlocks.sub_chunk()
@@ -145,7 +158,7 @@ def gated_sums(q, k, g, beta, scale: float, *, interpret: bool = False, precise:
         out.add("attn", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
 
     res, _ = call(_sums_kernel, sp.grid, ins, outs, name="kda_gated_sums",
-                  params=blocks.params(interpret), scale=scale,
+                  params=blocks.params(interpret), scale=scale, gate_bound=gate_bound,
                   dots=make_dots(precise, interpret), blocks=blocks)
     return res["a"], res["attn"]
 
@@ -191,18 +204,21 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
-                interpret: bool = False, precise: bool = True,
+                gate_bound: float | None = None, interpret: bool = False, precise: bool = True,
                 blocks: ChunkBlocks | None = None,
                 sub_chunk_blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
-    [NT, B, HV, C], chunk layout, C a multiple of 16. precise: 3xTF32 products (fp32
+    [NT, B, HV, C], chunk layout, C a multiple of 16. gate_bound: None (any g <= 0), or a
+    bound in [-5, 0) that every gate is known to respect (g in [gate_bound, 0)), for one
+    product per diagonal block (``channel.diagonal_offset``). precise: 3xTF32 products (fp32
     inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
     ``common.dots``). The terms are float32, as the jnp twin's. blocks: the launch
     configuration of ``wy_terms`` (``ChunkBlocks.default`` if None), sub_chunk_blocks that
     of ``gated_sums`` (``ChunkBlocks.sub_chunk`` if None)."""
     kw = dict(interpret=interpret, precise=precise)
-    a, attn = gated_sums(q, k, g, beta, scale, blocks=sub_chunk_blocks, **kw)
+    a, attn = gated_sums(q, k, g, beta, scale, gate_bound=gate_bound, blocks=sub_chunk_blocks,
+                         **kw)
     terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, blocks=blocks,
                      **kw)
     return terms._replace(attn=attn)
