@@ -4,6 +4,11 @@ L2-normalised q/k.
     python scripts/bench_kernels.py --json docs/benchmarks/kernels.json     # on the GPU machine
     python scripts/bench_kernels.py --op kda --json docs/benchmarks/kernels_kda.json
     python scripts/bench_kernels.py --report docs/benchmarks/kernels.json   # kernels.md, .png
+    python scripts/bench_kernels.py --op kda --gate-in-kernel --json kda_gate.json
+
+--gate-in-kernel (KDA): both sides take g as the raw gate and compute the decay in the op
+(use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``jaxcp.bench.kernels.
+GATE_IN_KERNEL``); its records carry gate_in_kernel, and belong in a file of their own.
 
 FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
 same GPU, before JAX takes the device; it is skipped (with a note) when it cannot be imported.
@@ -30,21 +35,27 @@ import sys
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
 
 
-def run_fla(op: str, configs, iters: int) -> list[dict]:
+def run_fla(op: str, configs, iters: int, gate_in_kernel: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
     import triton
     from jaxcp.bench import fla
+    from jaxcp.bench.kernels import GATE_IN_KERNEL
 
     fla_op = fla.op(op)
     out = []
     for T, H, D in configs:
         q, k, v, g, beta = fla.inputs(op, T, H, D)
+        gate = {}
+        if gate_in_kernel:
+            zeros = lambda n: torch.zeros(n, device="cuda")
+            gate = dict(GATE_IN_KERNEL, A_log=zeros(H), dt_bias=zeros(H * D))
         # two ways to normalise q, k: torch before the op or FLA's fused
         # kernel; FLA is credited with the faster of the two
         fwds = {"torch": lambda: fla_op(F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1),
-                                        v, g, beta)[0],
-                "in-kernel": lambda: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]}
+                                        v, g, beta, **gate)[0],
+                "in-kernel": lambda: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                            **gate)[0]}
         do = torch.randn_like(fwds["torch"]())
         bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
                                                    return_mode="median")
@@ -55,17 +66,22 @@ def run_fla(op: str, configs, iters: int) -> list[dict]:
             out.append(dict(op=op, impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=times[how], peak_bytes=fla.peak_bytes(calls[passes](fwds[how])),
                             fla_l2norm=how, device=torch.cuda.get_device_name(),
-                            fla=fla.version()))
+                            fla=fla.version(), **_gate_field(gate_in_kernel)))
             print(f"fla T={T} H={H} D={D} {passes}: " + ", ".join(
                 f"l2norm {h} {t:.3f} ms" for h, t in times.items()), file=sys.stderr, flush=True)
     return out
 
 
+def _gate_field(gate_in_kernel: bool) -> dict:
+    return {"gate_in_kernel": True} if gate_in_kernel else {}
+
+
 def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda: None,
-              compile_threads: int = 8) -> list[dict]:
+              compile_threads: int = 8, gate_in_kernel: bool = False) -> list[dict]:
     import jax
+    import jax.numpy as jnp
     import jaxcp
-    from jaxcp.bench.kernels import jaxcp_inputs
+    from jaxcp.bench.kernels import GATE_IN_KERNEL, jaxcp_inputs
     from jaxcp.bench.timing import forward_backward, time_side_by_side
 
     device = jax.devices()[0].device_kind
@@ -73,11 +89,14 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
     for T, H, D in configs:
         q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
         jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
+        gate = {}
+        if gate_in_kernel:
+            gate = dict(GATE_IN_KERNEL, A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * D))
         jobs = []     # (impl, pass, jitted function)
         for impl in impls:
             backend = impl.removeprefix("jaxcp-")
             call = lambda q, k, v, g, beta, backend=backend: jaxcp_op(
-                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend)[0]
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend, **gate)[0]
             jobs += [(impl, "fwd", jax.jit(call)),
                      (impl, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
         xs = (q, k, v, g, beta)
@@ -89,7 +108,7 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
                 continue
             out.append(dict(op=op, impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=timed.ms, peak_bytes=timed.peak_bytes, device=device,
-                            jax=jax.__version__, fla=fla_version))
+                            jax=jax.__version__, fla=fla_version, **_gate_field(gate_in_kernel)))
             print(f"{impl} T={T} H={H} D={D} {passes}: {timed.ms:.3f} ms", flush=True)
             done(out)
     return out
@@ -105,10 +124,15 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-threads", type=int, default=8,
                     help="programs compiled at once (1: one at a time)")
     ap.add_argument("--configs", default=None, help="T:H:D,... (default: the three of the spec)")
+    ap.add_argument("--gate-in-kernel", action="store_true",
+                    help="KDA: both sides compute the gate from the raw g in the op "
+                         "(use_gate_in_kernel, safe_gate, lower_bound -5)")
     ap.add_argument("--fla-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_threads < 1:
         ap.error("--compile-threads must be positive")
+    if args.gate_in_kernel and args.op != "kda":
+        ap.error("--gate-in-kernel is for --op kda")
     if args.report:
         from jaxcp.bench import docs
         docs.write(args.report)
@@ -117,7 +141,7 @@ def main(argv=None) -> int:
         tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     impls = args.impls.split(",")
     if args.fla_child:
-        json.dump(run_fla(args.op, configs, args.iters), sys.stdout)
+        json.dump(run_fla(args.op, configs, args.iters, args.gate_in_kernel), sys.stdout)
         return 0
     records = []
     fla_version = "not run"
@@ -125,7 +149,8 @@ def main(argv=None) -> int:
         # a child process, so that FLA (torch) has the GPU to itself before JAX starts
         child = subprocess.run([sys.executable, __file__, "--fla-child", "--op", args.op,
                                 "--iters", str(args.iters),
-                                "--configs", ",".join(":".join(map(str, c)) for c in configs)],
+                                "--configs", ",".join(":".join(map(str, c)) for c in configs)]
+                               + (["--gate-in-kernel"] if args.gate_in_kernel else []),
                                stdout=subprocess.PIPE, text=True)
         if child.returncode == 0:
             fla_records = json.loads(child.stdout)
@@ -142,7 +167,7 @@ def main(argv=None) -> int:
 
     save()
     records += run_jaxcp(args.op, configs, [i for i in impls if i != "fla"], args.iters,
-                         fla_version, save, args.compile_threads)
+                         fla_version, save, args.compile_threads, args.gate_in_kernel)
     save()
     print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
     for r in records:

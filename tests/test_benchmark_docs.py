@@ -72,3 +72,12 @@ def test_kernel_page_shows_peak_memory_when_recorded():
     assert "| 8 | 2 | 16 | fwd | 2.00 | 1.00 | 2.00x |" in text and "| 1.00 / 2.00 |" in text
     assert "peak GiB" not in kernels.markdown([{k: v for k, v in r.items() if k != "peak_bytes"}
                                               for r in records])
+
+
+def test_kernel_page_says_when_the_gate_is_computed_in_the_op():
+    from jaxcp.bench import kernels
+    row = dict(op="kda", T=8, H=2, K=16, V=16, device="H100", ms=1.0, **{"pass": "fwd"})
+    records = [dict(row, impl="jaxcp-pallas"), dict(row, impl="fla")]
+    assert "use_gate_in_kernel" not in kernels.markdown(records)
+    gated = [dict(r, gate_in_kernel=True) for r in records]
+    assert "gate computed in the op" in kernels.markdown(gated)

@@ -44,6 +44,19 @@ def jaxcp_inputs(op: str, T: int, H: int, D: int):
     return q, k, v, g, beta, r(1, T, H, D)
 
 
+# KDA's gate computed in the op (bench_kernels.py --gate-in-kernel), on both sides: the
+# raw gate is the benchmark's g, A_log and dt_bias are zeros
+GATE_IN_KERNEL = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+
+
+def gate_in_kernel_text(records: list[dict]) -> str:
+    """How the records' gate was computed, for the page's setting line."""
+    if not any(r.get("gate_in_kernel") for r in records):
+        return ""
+    return (" KDA's gate computed in the op from the raw g (use_gate_in_kernel, safe_gate, "
+            "lower_bound = -5, A_log = dt_bias = 0).")
+
+
 def op_of(records: list[dict]) -> str:
     """The one op ("gdn" or "kda") that the records time."""
     ops = {r["op"] for r in records}
@@ -78,7 +91,8 @@ def markdown(records: list[dict]) -> str:
              f"Device: {device}; jax {jax}; FLA {fla}. B = 1, bf16, q/k L2-normalised, "
              "median ms per call" + (", and peak GiB per call (jaxcp: the compiled call's "
                                      "arguments, outputs and temporaries; FLA: the allocator's "
-                                     "peak over one call)" if with_peaks else "") + ".", "",
+                                     "peak over one call)" if with_peaks else "") + "."
+             + gate_in_kernel_text(records), "",
              "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |"
              + (" peak GiB " + " / ".join(names) + " |" if with_peaks else ""),
              "|---|---|---|---|" + "---|" * len(names) + "---|---|"
