@@ -80,22 +80,21 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
               compile_threads: int = 8, gate_in_kernel: bool = False) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    import jaxcp
-    from jaxcp.bench.kernels import GATE_IN_KERNEL, jaxcp_inputs
+    from jaxcp.bench.kernels import GATE_IN_KERNEL, jaxcp_inputs, jaxcp_op
     from jaxcp.bench.timing import forward_backward, time_side_by_side
 
     device = jax.devices()[0].device_kind
     out = []
     for T, H, D in configs:
         q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
-        jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
+        op_fn = jaxcp_op(op)
         gate = {}
         if gate_in_kernel:
             gate = dict(GATE_IN_KERNEL, A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * D))
         jobs = []     # (impl, pass, jitted function)
         for impl in impls:
             backend = impl.removeprefix("jaxcp-")
-            call = lambda q, k, v, g, beta, backend=backend: jaxcp_op(
+            call = lambda q, k, v, g, beta, backend=backend: op_fn(
                 q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend, **gate)[0]
             jobs += [(impl, "fwd", jax.jit(call)),
                      (impl, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]

@@ -58,13 +58,12 @@ def _profiled(call) -> None:
 
 def _run_jaxcp(op: str, T: int, H: int, D: int) -> None:
     import jax
-    import jaxcp
-    from jaxcp.bench.kernels import jaxcp_inputs
+    from jaxcp.bench.kernels import jaxcp_inputs, jaxcp_op
     from jaxcp.bench.timing import forward_backward
 
     q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
-    jaxcp_op = jaxcp.chunk_kda if op == "kda" else jaxcp.chunk_gated_delta_rule
-    call = lambda *xs: jaxcp_op(*xs, use_qk_l2norm_in_kernel=True, backend="pallas")[0]
+    op_fn = jaxcp_op(op)
+    call = lambda *xs: op_fn(*xs, use_qk_l2norm_in_kernel=True, backend="pallas")[0]
     step = jax.jit(forward_backward(call, range(5), do))
     _profiled(lambda: jax.block_until_ready(step(q, k, v, g, beta)))
 

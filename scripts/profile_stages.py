@@ -78,12 +78,8 @@ def main(argv=None):
     rows = []
 
     def timed(name, fn, *xs):
-        if name.startswith("variant"):     # a variant that cannot compile is reported, not fatal
-            try:
-                return _timed(rows, args.iters, name, fn, *xs)
-            except Exception as e:
-                print(f"{name:44} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                return None
+        if name.startswith("variant"):
+            return _timed_variant(rows, args.iters, name, fn, *xs)
         return _timed(rows, args.iters, name, fn, *xs)
 
     raw_q, raw_k = q, k
@@ -164,6 +160,16 @@ def _timed(rows, iters, name, fn, *xs):
     return fn(*xs)
 
 
+def _timed_variant(rows, iters, name, fn, *xs):
+    """``_timed`` for a row marked "variant": one that cannot compile is reported, not
+    fatal (None)."""
+    try:
+        return _timed(rows, iters, name, fn, *xs)
+    except Exception as e:
+        print(f"{name:44} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
 def _table(rows, T, H, D):
     import jax
     print(f"\ndevice={jax.devices()[0].device_kind} jax={jax.__version__} T={T} H={H} D={D}")
@@ -225,7 +231,8 @@ def _profile_kda(args, cu):
     timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
           *xs, terms, h, vn, x, dvn, do)
     if args.variants:
-        _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, args.interpret)
+        _kda_variants(partial(_timed_variant, rows, args.iters), xs, terms, h, vn, x, dvn, do,
+                      layout, h0, scale, args.interpret)
     op = partial(jaxcp.chunk_kda, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                  backend=backend)
     timed("op forward", lambda *a: op(*a)[0], q, k, v, g, beta)
@@ -235,7 +242,7 @@ def _profile_kda(args, cu):
     _table(rows, T, H, D)
 
 
-def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
+def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
     pipeline stages, the sub-chunk kernels' launch order) and with safe_gate's gate bound,
@@ -250,10 +257,7 @@ def _kda_variants(timed, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interp
     from jaxcp.pallas.config import ChunkBlocks, StateBlocks
 
     def variant(name, fn, *a):
-        try:
-            timed("variant: " + name, fn, *a)
-        except Exception as e:
-            print(f"variant: {name:35} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        timed_variant("variant: " + name, fn, *a)
 
     q, k, v, g, beta = xs
     chunk_blocks = lambda col, warps, stages: (f"{col} columns, {warps} warps, {stages} stages",

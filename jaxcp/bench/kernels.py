@@ -27,6 +27,12 @@ def floor_ms(op: str, T: int, H: int, D: int, passes: str, device: str) -> float
     return 1e3 * max(bytes_ / bw, flops / peak)
 
 
+def jaxcp_op(name: str):
+    """jaxcp's ``chunk_kda`` (name "kda") or ``chunk_gated_delta_rule`` ("gdn")."""
+    import jaxcp
+    return jaxcp.chunk_kda if name == "kda" else jaxcp.chunk_gated_delta_rule
+
+
 def jaxcp_inputs(op: str, T: int, H: int, D: int):
     """q, k, v [1, T, H, D] bf16 (normal), g float32 (log-sigmoid of normal; [1, T, H, D] for
     KDA, [1, T, H] for GDN), beta [1, T, H] bf16 (sigmoid of normal) and an output cotangent

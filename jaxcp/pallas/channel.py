@@ -2,7 +2,8 @@
 programs (``ChannelBlock``), and the gated sums of the sub-chunk programs, the forward's
 ``kda_gated_sums`` and the backward's ``kda_grads_gated_sums``. Every decay
 exp(G_id - G_jd) (j before i, G the chunk cumsum of g <= 0) is built from factors <= 1, so
-the sums are finite for any gate.
+the sums are finite for any gate (under a gate bound, the diagonal blocks' factors lie
+within e^+-37.5 instead, below).
 
 The chunk's C rows are cut into sub-chunks of S = 16 rows, and the sub-chunk kernels run
 one program per (chunk, batch, head, sub-chunk b) on [S, S] and [S, bk] tiles. Sub-chunk b
@@ -34,6 +35,7 @@ arithmetic, would leave it in every row through dg's reverse cumsum.
 """
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from typing import Callable, NamedTuple
 
@@ -213,7 +215,8 @@ class SubChunk:
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
     cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the
-    sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1."""
+    sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1
+    but those of ``diagonal_factors``."""
 
     def __init__(self, G_ref, cols, sc: SubChunk):
         self.sc, self.G_ref, self.cols = sc, G_ref, cols
@@ -221,6 +224,7 @@ class ChannelGates:
         self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
         self.G_last = f32(G_ref[pl.ds(sc.last, 1), cols])
 
+    @cached_property
     def from_first(self):
         """exp(G_i - G_r) on the sub-chunk's rows i, [S, bk]."""
         return jnp.exp(self.G_own - self.G_first)
@@ -238,12 +242,11 @@ class ChannelGates:
         return jnp.exp(f32(self.G_ref[SubChunk.of(s), self.cols]) - self.G_last)
 
     def diagonal_factors(self, gate_bound: float):
-        """exp(G_l - G_r - offset) and exp(G_r - G_l + offset) [S, bk] on the sub-chunk's
-        rows l (``diagonal_offset``): E_lp is the first at l times the second at p, for
-        p <= l. Only under a gate bound."""
-        offset = diagonal_offset(gate_bound)
-        return (jnp.exp(self.G_own - self.G_first - offset),
-                jnp.exp(self.G_first - self.G_own + offset))
+        """exp(G_l - G_r) / shift and exp(G_r - G_l) shift [S, bk] on the sub-chunk's rows
+        l, shift = exp(``diagonal_offset``): E_lp is the first at l times the second at p,
+        for p <= l. Only under a gate bound."""
+        shift = math.exp(diagonal_offset(gate_bound))
+        return self.from_first / shift, jnp.exp(self.G_first - self.G_own) * shift
 
     def partner(self, p: int):
         """Row p of the sub-chunk as the partner of its rows l (``Partner``)."""

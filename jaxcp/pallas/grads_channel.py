@@ -67,7 +67,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     value_cols = [pl.ds(j * bv, bv) for j in range(V // bv)]
     tiles = lambda ref: [f32(ref[:, c]) for c in value_cols]
     dattn = _sum_products(dot, tiles(r.do), tiles(r.v_new))
-    r.mq[...] = jnp.where(iota((C, C), 0) >= iota((C, C), 1), dattn * scale, 0.0)
+    r.mq[...] = lower(dattn * scale, strict=False)
     last_row = iota((C, bk), 0) == C - 1
 
     # loops, not unrolled, so that no block's tiles are live in another's
@@ -137,7 +137,7 @@ def _wy_kernel(*refs, names, dots, blocks):
     carry = lax.fori_loop(0, V // bv, value_block, carry)
     da, dbeta = lax.fori_loop(0, K // bk, key_block, carry)
     r.dbeta[...] = dbeta
-    r.da[...] = jnp.where(iota((C, C), 0) > iota((C, C), 1), da, 0.0)
+    r.da[...] = lower(da, strict=True)
 
 
 _SumsRefs = refs_type("_SumsRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in dg_in "
@@ -169,12 +169,12 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
         mq_block = lower(f32(r.mq[own, own]), strict=True)
         da_block = f32(r.da[own, own])
 
-    def diagonal_products(gates, q_own, k_own):
-        left, right = gates.diagonal_factors(gate_bound)
-        k_right, k_left = k_own * right, k_own * left
-        return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
-                right * dot(mq_block.T, q_own * left),
-                right * dot(da_block.T, k_left * beta_own))
+        def diagonal_products(gates, q_own, k_own):
+            left, right = gates.diagonal_factors(gate_bound)
+            k_right, k_left = k_own * right, k_own * left
+            return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
+                    right * dot(mq_block.T, q_own * left),
+                    right * dot(da_block.T, k_left * beta_own))
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
@@ -199,7 +199,7 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
 
         rq, rk = lax.fori_loop(0, sc.index, before, (zero, zero))
         cq, ck = lax.fori_loop(sc.index + 1, C // S, after, (zero, zero))
-        from_first, to_last = gates.from_first(), gates.to_last()
+        from_first, to_last = gates.from_first, gates.to_last()
 
         # within the sub-chunk: the diagonal block's entries in the partner's column (the
         # sub-chunk's rows as the later i) and row (as the earlier j)

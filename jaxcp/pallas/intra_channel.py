@@ -64,17 +64,17 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
     # the sub-chunk's rows and their factors exp(G_i - G_r), for every block of channels
     k_own = [sc.rows(r.k, cols) for cols in key_blocks]
     q_own = [sc.rows(r.q, cols) for cols in key_blocks]
-    left = [gt.from_first() for gt in gates]
+    left = [gt.from_first for gt in gates]
 
     def before(s, carry):
+        if gate_bound is not None:
+            # s = b: the diagonal block, its factors moved to the middle of their span
+            # (``ChannelGates.diagonal_factors``); 1 for the sub-chunks before b
+            shift = jnp.exp(diagonal_offset(gate_bound) * (s == sc.index).astype(jnp.float32))
         a = attn = jnp.zeros((S, S), jnp.float32)
         for cols, gt, k, q, lf in zip(key_blocks, gates, k_own, q_own, left):
             k_s = f32(r.k[SubChunk.of(s), cols]) * gt.before(s)
             if gate_bound is not None:
-                # s = b: the diagonal block, its factors moved to the middle of their span
-                # (``diagonal_offset``); 1 for the sub-chunks before b
-                shift = jnp.exp(diagonal_offset(gate_bound)
-                                * (s == sc.index).astype(jnp.float32))
                 k_s, lf = k_s * shift, lf / shift
             a = a + dots.plain(k * lf, k_s.T)
             attn = attn + dots.plain(q * lf, k_s.T)
