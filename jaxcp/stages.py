@@ -106,11 +106,13 @@ def _xla_stages(o: StageOptions) -> Stages:
                   xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
-def _pallas_state_stages(o: StageOptions, token_major: bool) -> dict:
-    """The state recurrences as Pallas kernels (both gates)."""
+def _pallas_state_stages(o: StageOptions, token_major: bool, **options) -> dict:
+    """The state recurrences as Pallas kernels (both gates); options: the kernels' products
+    (how their fp32 tiles meet the state, ``common.Fp32Products``) and blocks
+    (``StateBlocks``) where not their defaults."""
     from jaxcp.pallas import state
     kw = dict(gate=o.gate, token_major=token_major, interpret=o.interpret,
-              dot_dtype=jnp.dtype(o.dot_dtype))
+              dot_dtype=jnp.dtype(o.dot_dtype), **options)
     return {name: partial(getattr(state, name), **kw) for name in (
         "state_output", "state_fwd", "state_last", "cp_summary", "state_bwd")}
 
@@ -141,7 +143,10 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     the backward computes w, u and the factor tiles again from T (``intra_channel``), and
     its input cotangents read T (``grads_channel``)."""
     from jaxcp.pallas import grads_channel, intra_channel
+    from jaxcp.pallas.common import Fp32Products
+    from jaxcp.pallas.config import StateBlocks
     precise = o.dot_dtype == "float32"
+    products = Fp32Products.for_inputs(o.dot_dtype)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         return intra_channel.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
@@ -152,18 +157,21 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
         return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept,
                                              interpret=o.interpret, precise=precise)
 
-    # 3xTF32 products for every input dtype: with bf16 operands, correlated keys put dq and
-    # dbeta at 9e-3 to 1.2e-2 of the reference on the H100 (gpu_checks.md)
+    # Precise products for every input dtype (3xBF16 for bf16 inputs): with bf16 products,
+    # correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the reference on the H100
+    # (3xTF32: 2.5e-3; gpu_checks.md)
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
                                          gate_bound=o.gate_bound, interpret=o.interpret,
-                                         precise=True)
+                                         precise=True, products=products)
 
-    # The state recurrences keep KDA's terms in float32 (3xTF32 products) for every input
-    # dtype. GDN's kd and qg reach them as the bf16 inputs times fp32 row factors, exact;
-    # KDA's are rounded products, and with correlated keys w, kd, u, qg and attn rounded to
-    # bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32 (docs/precision.md).
-    state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False)
+    # The state recurrences keep KDA's terms in float32 for every input dtype (3xBF16
+    # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
+    # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
+    # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
+    # (docs/precision.md).
+    state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False,
+                                 products=products, blocks=StateBlocks.channel())
     return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)
 

@@ -31,6 +31,9 @@ def _parser():
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
     ap.add_argument("--gate-bound", type=float, default=None,
                     help="the sub-chunk kernels' gate bound, in [-5, 0) (safe_gate)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="of q, k, v, beta and do; it picks the cotangents' products "
+                         "(Fp32Products.for_inputs)")
     return ap
 
 
@@ -99,30 +102,34 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     from jaxcp.pallas import grads_channel, intra_channel
+    from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import ChunkBlocks
     from jaxcp.xla.intra import ChunkTerms
 
     blocks = ChunkBlocks(col_block=args.col_block, num_warps=args.warps,
                          num_stages=args.stages)
     NT, B, H, C, K = 2, 1, 2, 64, args.K
-    spec = lambda *s: jax.ShapeDtypeStruct((NT, B, H) + s, jnp.float32)
+    spec = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct((NT, B, H) + s, dtype)
     tile, vec, square, state = spec(C, K), spec(C), spec(C, C), spec(K, K)
+    token, token_vec = spec(C, K, dtype=args.dtype), spec(C, dtype=args.dtype)
+    products = Fp32Products.for_inputs(args.dtype)
     scale = K ** -0.5
     programs = {
         "forward gated sums": (lambda q, k, g, beta: intra_channel.gated_sums(
             q, k, g, beta, scale, gate_bound=args.gate_bound, precise=False, blocks=blocks),
-            (tile, tile, tile, vec)),
+            (token, token, tile, token_vec)),
         "forward terms": (lambda q, k, v, g, beta, a: intra_channel.wy_terms(
             q, k, v, g, beta, scale, a=a, precise=False, blocks=blocks, with_inverse=True),
-            (tile, tile, tile, tile, vec, square)),
+            (token, token, token, tile, token_vec, square)),
         "cotangents": (lambda q, k, v, g, beta, w, u, inv, h, v_new, x, dvn, do:
                        grads_channel.chunk_grads(
                            q, k, v, g, beta, scale, ChunkTerms(w, u, None, None, None, None, inv),
                            h, v_new, x, dvn, do, gate_bound=args.gate_bound, precise=True,
-                           blocks=blocks),
-                       (tile,) * 4 + (vec, tile, tile, square, state, tile, state, tile, tile)),
+                           products=products, blocks=blocks),
+                       (token,) * 3 + (tile, token_vec, tile, tile, square, state, tile, state,
+                                       tile, token)),
     }
-    print(f"K = V = {K}, col_block {args.col_block}, {args.warps} warps, "
+    print(f"K = V = {K}, {args.dtype} inputs, col_block {args.col_block}, {args.warps} warps, "
           f"{args.stages} stages, sm_90")
     print("| kernel | registers | spill stores (bytes) |\n|---|---|---|")
     for fn, shapes in programs.values():

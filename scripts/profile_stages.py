@@ -245,8 +245,8 @@ def _profile_kda(args, cu):
 def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
-    pipeline stages, the sub-chunk kernels' launch order) and with safe_gate's gate bound,
-    the state recurrences under ``StateBlocks``. A variant that cannot
+    pipeline stages, the sub-chunk kernels' launch order, 3xTF32 products) and with
+    safe_gate's gate bound, the state recurrences under ``StateBlocks`` and at 3xTF32. A variant that cannot
     compile is reported, not fatal."""
     from dataclasses import replace
 
@@ -254,6 +254,7 @@ def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale
     from jaxcp.gate import Gate
     from jaxcp.pallas import grads_channel, intra_channel
     from jaxcp.pallas import state as pstate
+    from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import ChunkBlocks, StateBlocks
 
     def variant(name, fn, *a):
@@ -262,10 +263,12 @@ def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale
     q, k, v, g, beta = xs
     chunk_blocks = lambda col, warps, stages: (f"{col} columns, {warps} warps, {stages} stages",
                                                ChunkBlocks(col, warps, stages))
-    launch_order = ("sub-chunks first in the grid", replace(ChunkBlocks.sub_chunk(),
-                                                            sub_chunks_first=True))
-    for how, b in [chunk_blocks(64, 4, 3), chunk_blocks(64, 8, 1), chunk_blocks(64, 2, 1),
-                   chunk_blocks(32, 4, 1), launch_order]:
+    shipped = ChunkBlocks.sub_chunk()
+    launch_order = ("sub-chunks first in the grid" if not shipped.sub_chunks_first else
+                    "chunks first in the grid",
+                    replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
+    for how, b in [("as shipped", shipped), chunk_blocks(64, 4, 3), chunk_blocks(64, 8, 1),
+                   chunk_blocks(64, 2, 1), chunk_blocks(32, 4, 1), launch_order]:
         variant(f"gated sums {how}",
                 lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
                                                          interpret=interpret), q, k, g, beta)
@@ -273,18 +276,29 @@ def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale
     bounded = jnp.maximum(g, -5.0)
     variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(
         *a, scale, gate_bound=-5.0, precise=False, interpret=interpret), q, k, bounded, beta)
+    # the products the stage table picks for bf16 inputs, unless a row says otherwise
+    bf16x3 = dict(products=Fp32Products.BF16X3, interpret=interpret)
     variant("chunk_grads with gate bound -5", lambda *a: grads_channel.chunk_grads(
-        *a[:5], scale, *a[5:], gate_bound=-5.0, interpret=interpret),
+        *a[:5], scale, *a[5:], gate_bound=-5.0, **bf16x3),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
-    launch_order = (launch_order[0], replace(ChunkBlocks.channel_grads(), sub_chunks_first=True))
-    for how, b in [chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
-                   launch_order]:
+    shipped = ChunkBlocks.channel_grads()
+    launch_order = ("sub-chunks first in the grid" if not shipped.sub_chunks_first else
+                    "chunks first in the grid",
+                    replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
+    for how, b, products in [(name, b, Fp32Products.BF16X3) for name, b in (
+            chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
+            launch_order)] + [("with 3xTF32 products", shipped, Fp32Products.TF32X3)]:
         variant(f"chunk_grads {how}",
-                lambda *a, b=b: grads_channel.chunk_grads(*a[:5], scale, *a[5:], blocks=b,
-                                                          interpret=interpret),
+                lambda *a, b=b, p=products: grads_channel.chunk_grads(
+                    *a[:5], scale, *a[5:], blocks=b, products=p, interpret=interpret),
                 *xs, terms, h, vn, x, dvn, do)
-    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, interpret=interpret)
-    for bv, warps in ((32, 4), (64, 8)):
+    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, **bf16x3)
+    tf32x3 = dict(kw, products=Fp32Products.TF32X3, blocks=StateBlocks.channel())
+    variant("state_output with 3xTF32 products", lambda t: pstate.state_output(
+        t, layout, None, h0, False, **tf32x3)[0], terms)
+    variant("state_bwd with 3xTF32 products", lambda t, d: pstate.state_bwd(
+        t, layout, d, None, h0, **tf32x3), terms, do)
+    for bv, warps in ((64, 4), (64, 8), (32, 8)):
         b = StateBlocks(block_cols=bv, num_warps=warps)
         variant(f"state_output BV={bv}, {warps} warps", lambda t, b=b: pstate.state_output(
             t, layout, None, h0, False, blocks=b, **kw)[0], terms)

@@ -15,7 +15,9 @@ from jaxcp.pallas import grads_channel as pgrads_channel
 from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import intra_channel
 from jaxcp.pallas import state as pstate
-from jaxcp.pallas.config import ChunkBlocks
+from jaxcp.pallas.common import Fp32Products, dots
+from jaxcp.pallas.config import ChunkBlocks, StateBlocks
+from jaxcp.stages import stages_for
 from helpers import assert_rel, make_inputs, rel_err
 
 KINDS = ["gdn", "kda"]
@@ -262,20 +264,19 @@ def test_kda_gate_bound_outside_its_range_is_refused(gate_bound):
 
 
 def test_kda_sub_chunks_first_launch_order():
-    """With the sub-chunk first in the sub-chunk kernels' grid (a launch order), the gated
-    sums and the cotangents are the same numbers."""
+    """Under either order of the sub-chunk kernels' grid (sub-chunk first or last, a launch
+    order), the gated sums and the cotangents are the same numbers."""
+    flipped = lambda blocks: replace(blocks, sub_chunks_first=not blocks.sub_chunks_first)
     args = kda_chunks(32, 32, 16, "random")
-    first = replace(ChunkBlocks.sub_chunk(), sub_chunks_first=True)
     want = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True)
     got = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True,
-                                   blocks=first)
+                                   blocks=flipped(ChunkBlocks.sub_chunk()))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     args, terms, rest = kda_grads_inputs(32, 32, 16, "random")
     want = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
     got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True,
-                                     blocks=replace(ChunkBlocks.channel_grads(),
-                                                    sub_chunks_first=True))
+                                     blocks=flipped(ChunkBlocks.channel_grads()))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
@@ -465,3 +466,29 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
     want = xla.cp_summary(exact, layout, init)[1]
     assert float(jnp.abs(want - jnp.eye(16)).max()) > 0.01
     assert_rel(m, want, 1e-4, "M")
+
+
+@pytest.mark.parametrize("dtype, products", [("bfloat16", Fp32Products.BF16X3),
+                                             ("float32", Fp32Products.TF32X3)])
+def test_kda_stages_pick_precise_products(dtype, products):
+    """KDA's Pallas state recurrences take float32 terms at 3xBF16 for bf16 inputs and 3xTF32
+    for fp32 ones, 32 state columns per program."""
+    st = stages_for("pallas", Gate.CHANNEL, dtype)
+    for stage in (st.state_output, st.state_fwd, st.state_bwd, st.cp_summary):
+        assert stage.keywords["products"] is products
+        assert stage.keywords["blocks"] == StateBlocks.channel()
+        assert stage.keywords["dot_dtype"] == jnp.float32
+    assert Fp32Products.for_inputs(dtype) is products
+
+
+def test_bf16x3_products_keep_16_bits():
+    """The GPU's precise products for bf16 inputs (not interpret mode): fp32 x fp32 and a
+    bf16 tile against an fp32 one are within 2^-16 of float64, relative to the largest
+    entry (bf16 rounding of an fp32 operand would be 2^-9)."""
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal((32, 32)), jnp.float32) for _ in range(2))
+    product = dots(True, interpret=False, products=Fp32Products.BF16X3).plain
+    for x, y in ((a, b), (a.astype(jnp.bfloat16), b), (a, b.astype(jnp.bfloat16))):
+        want = np.asarray(x, np.float64) @ np.asarray(y, np.float64)
+        got = np.asarray(product(x, y))
+        assert np.abs(got - want).max() <= 2.0 ** -16 * np.abs(want).max()

@@ -12,6 +12,7 @@ no kernel depends on the order in which a caller appended optional operands.
 from __future__ import annotations
 
 import collections
+import enum
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -27,11 +28,26 @@ from jaxcp.vma import unify
 
 # ---------------------------------------------------------------------------- products
 
-def fp32_precision(interpret: bool):
-    """How the kernels multiply fp32 operands that must stay fp32-accurate: 3xTF32 on tensor
-    cores, ~1e-7 relative per product (IEEE fp32 products would be FMA loops on CUDA
-    cores); IEEE fp32 in interpret mode (CPU)."""
-    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+class Fp32Products(enum.Enum):
+    """How the kernels multiply fp32 operands that must keep more digits than bf16's 8 bits,
+    on tensor cores (IEEE fp32 products would be FMA loops on CUDA cores).
+
+    TF32X3 (the fp32 path): each operand as hi + lo TF32 parts, three TF32 products, ~1e-7
+    relative per product. BF16X3 (bf16 inputs whose intermediates stay fp32, KDA's): hi + lo
+    bf16 parts, three bf16 products, ~2^-16 = 1.5e-5 relative, far under the 4e-3 rounding
+    of the bf16 inputs, at half the tensor-core time (bf16 runs at twice the TF32 rate)."""
+    TF32X3 = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    BF16X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+
+    @classmethod
+    def for_inputs(cls, dtype) -> "Fp32Products":
+        """TF32X3 for fp32 inputs, BF16X3 for bf16 ones."""
+        return cls.TF32X3 if jnp.dtype(dtype) == jnp.float32 else cls.BF16X3
+
+
+def fp32_precision(interpret: bool, products: Fp32Products = Fp32Products.TF32X3):
+    """The precision of fp32 x fp32 products: `products`; IEEE fp32 in interpret mode (CPU)."""
+    return lax.Precision.HIGHEST if interpret else products.value
 
 
 def bf16_dot(a, b):
@@ -40,13 +56,14 @@ def bf16_dot(a, b):
                    preferred_element_type=jnp.float32)
 
 
-def dot(a, b, interpret: bool, split: bool = False):
-    """a @ b with fp32 accumulation. fp32 x fp32 (the fp32 path) runs at ``fp32_precision``.
+def dot(a, b, interpret: bool, split: bool = False,
+        products: Fp32Products = Fp32Products.TF32X3):
+    """a @ b with fp32 accumulation. fp32 x fp32 runs at ``fp32_precision`` (`products`).
     An fp32 operand meeting a bf16 tile is rounded to bf16, or with split taken as two bf16
     parts x = hi + lo (two bf16 products, x kept to ~2^-16 relative; 3xTF32 would cost
     three TF32 products, each at half the bf16 rate)."""
     if a.dtype == b.dtype:
-        precision = fp32_precision(interpret) if a.dtype == jnp.float32 else None
+        precision = fp32_precision(interpret, products) if a.dtype == jnp.float32 else None
         return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
     if not split:
         return bf16_dot(a, b)
@@ -66,8 +83,11 @@ class Dots(NamedTuple):
     split: Callable
 
 
-def dots(precise: bool, interpret: bool, *, rounded: bool = False) -> Dots:
-    """precise (fp32 inputs): 3xTF32 everywhere, on tensor cores (``fp32_precision``).
+def dots(precise: bool, interpret: bool, *, rounded: bool = False,
+         products: Fp32Products = Fp32Products.TF32X3) -> Dots:
+    """precise: every fp32 x fp32 product at `products` (``Fp32Products``; 3xTF32 for fp32
+    inputs). With BF16X3 a bf16 tile meets an fp32 one as two bf16 products (``dot``'s split)
+    and another bf16 tile as one: pass bf16 tiles as loaded, not cast to fp32.
     Otherwise (bf16 inputs): bf16 products of the inputs and single TF32 products of fp32
     tiles, the inverse's chain included: its error, ~2e-4 relative on w, is far under the
     bf16 rounding w is stored with (~2e-3; docs/precision.md); `split` takes the fp32
@@ -77,8 +97,11 @@ def dots(precise: bool, interpret: bool, *, rounded: bool = False) -> Dots:
     are gradients. Interpret mode (CPU) computes IEEE fp32."""
     def with_precision(precision):
         return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+    if precise and products is Fp32Products.BF16X3 and not interpret:
+        exact = partial(dot, interpret=False, split=True, products=products)
+        return Dots(exact, exact, exact)
     if interpret or precise:
-        exact = with_precision(fp32_precision(interpret))
+        exact = with_precision(fp32_precision(interpret, products))
         return Dots(exact, exact, lambda a, b: exact(a, b.astype(jnp.float32)))
     tf32 = with_precision(None)
     return Dots(tf32, bf16_dot if rounded else tf32, partial(dot, interpret=False, split=True))

@@ -44,6 +44,14 @@ class StateBlocks:
         """64 state columns per program, 32 at K = 256 (to stay inside shared memory)."""
         return cls(block_cols=32 if K >= 256 else 64)
 
+    @classmethod
+    def channel(cls) -> "StateBlocks":
+        """KDA's state recurrences (float32 terms, ``Fp32Products.BF16X3`` for bf16 inputs):
+        32 state columns per program. Measured on the H100 at T = 32768, H = 64, K = 128
+        against 64 columns: state_bwd 11.3 -> 8.1 ms, state_fwd 4.7 -> 4.3, state_output
+        6.8 -> 6.7 (64 columns with 8 warps: 8.5, 4.4, 7.4)."""
+        return cls(block_cols=32)
+
     def cols(self, n: int) -> int:
         """Columns per program for a state of n columns."""
         return min(n, self.block_cols)
@@ -72,13 +80,14 @@ class ChunkBlocks:
 
     @classmethod
     def channel_grads(cls) -> "ChunkBlocks":
-        """KDA's three cotangent kernels: two pipeline stages. The loop over value blocks of
-        ``kda_grads_inter`` loads three [C, 64] and two [64, 64] float32 tiles per step;
-        three stages would need 240 KiB of shared memory, over the 227 KiB a block gets on
-        the H100 and the H200. The other two kernels were measured with it (the sub-chunk
-        kernel: 44.8 ms for the three at T = 32768, H = 64, K = 128 against 49.1 with one
-        stage)."""
-        return cls(num_stages=2)
+        """KDA's three cotangent kernels: two pipeline stages, the sub-chunks first in the
+        sub-chunk kernel's grid. The loop over value blocks of ``kda_grads_inter`` loads
+        three [C, 64] and two [64, 64] float32 tiles per step; three stages would need 240
+        KiB of shared memory, over the 227 KiB a block gets on the H100 and the H200. The
+        other two kernels were measured with it (the sub-chunk kernel: 44.8 ms for the
+        three at T = 32768, H = 64, K = 128 against 49.1 with one stage). The launch order:
+        45.1 -> 42.6 ms (H100)."""
+        return cls(num_stages=2, sub_chunks_first=True)
 
     @classmethod
     def sub_chunk(cls) -> "ChunkBlocks":

@@ -30,8 +30,8 @@ u = T (beta v)) and the gated row and column sums of ``pallas.channel``
 Every decay is a product of factors <= 1 (``pallas.channel``), so the cotangents are finite
 for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
 only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the sub-chunk
-kernel holds [16, *] tiles. The stage table asks for 3xTF32 products (precise) for every
-input dtype.
+kernel holds [16, *] tiles. The stage table asks for precise products for every input
+dtype: 3xTF32 for fp32 inputs, 3xBF16 for bf16 ones (``common.Fp32Products``).
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   check_chunk, check_gate_bound, chunk_cumsum, f32, iota,
                                   lower, sub_chunk_axis, sub_chunk_specs)
-from jaxcp.pallas.common import (Operands, call, chunk_specs, dots as make_dots, named,
-                                 refs_type)
+from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
+                                 named, refs_type)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
@@ -65,7 +65,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     bk, bv = blocks.cols(K), blocks.cols(V)
     dot = dots.plain
     value_cols = [pl.ds(j * bv, bv) for j in range(V // bv)]
-    tiles = lambda ref: [f32(ref[:, c]) for c in value_cols]
+    tiles = lambda ref: [ref[:, c] for c in value_cols]
     dattn = _sum_products(dot, tiles(r.do), tiles(r.v_new))
     r.mq[...] = lower(dattn * scale, strict=False)
     last_row = iota((C, bk), 0) == C - 1
@@ -78,7 +78,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
             dqg, dkd, dw, d_decay = acc
             vcols = pl.ds(pl.multiple_of(j * bv, bv), bv)
             h, x = f32(r.h[ch.cols, vcols]), f32(r.x[ch.cols, vcols])
-            return (dqg + dot(f32(r.do[:, vcols]), h.T),
+            return (dqg + dot(r.do[:, vcols], h.T),
                     dkd + dot(f32(r.v_new[:, vcols]), x.T),
                     dw - dot(f32(r.dvn[:, vcols]), h.T),
                     d_decay + jnp.sum(h * x, axis=1))
@@ -233,12 +233,13 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
                 gate_bound: float | None = None, interpret: bool = False, precise: bool = True,
+                products: Fp32Products = Fp32Products.TF32X3,
                 blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) in the chunk layout (module
     docstring): (dq, dk, dv, dg, dbeta), float32, shapes of q, k, v, g, beta. terms must
     carry the inverse (``intra_chunk(..., with_inverse=True)``). gate_bound as in
-    ``intra_channel.intra_chunk``. precise: 3xTF32 products
-    (fp32 inputs), else bf16 products. blocks: the launch configuration
+    ``intra_channel.intra_chunk``. precise: every product at `products`
+    (``common.Fp32Products``), else bf16 products. blocks: the launch configuration
     (``ChunkBlocks.channel_grads`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
@@ -249,7 +250,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     blocks = blocks or ChunkBlocks.channel_grads()
     sp = chunk_specs(C, C)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
-    dots = make_dots(precise, interpret, rounded=True)
+    dots = make_dots(precise, interpret, rounded=True, products=products)
     kw = dict(params=blocks.params(interpret), dots=dots, blocks=blocks)
     f32_like = lambda struct, a: struct(a.shape, jnp.float32)
     square = (NT, B, HV, C, C)

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.common import Operands, call, dot, named, refs_type
+from jaxcp.pallas.common import Fp32Products, Operands, call, dot, named, refs_type
 from jaxcp.pallas.config import StateBlocks
 from jaxcp.pallas.tokens import ChunkRows, has_table, slab_spec
 from jaxcp.vma import vary_like
@@ -222,9 +222,9 @@ _FwdRefs = refs_type("_FwdRefs", "w kd decay starts seq carry last",
                       "token_start token_count k_rows u qg attn ends q_rows init span finals_zeros h v_new o finals")
 
 
-def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret):
+def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, products):
     r = named(_FwdRefs, names, refs)
-    mul = lambda a, b: dot(a, b, interpret=interpret, split=split_state)
+    mul = lambda a, b: dot(a, b, interpret=interpret, split=split_state, products=products)
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
@@ -263,13 +263,14 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                  with_output: bool = False, with_finals: bool = False,
                  token_major: bool = False, split_state: bool = False,
                  span: jax.Array | None = None, blocks: StateBlocks | None = None,
-                 name: str):
+                 products: Fp32Products = Fp32Products.TF32X3, name: str):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
     bf16 parts each (``common.dot``); span ([B], ``_span_loop``): loop over those chunks
-    only (only the last state is then meaningful). Returns the outputs by name: h, v_new
-    (store_h), o, finals, last."""
+    only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
+    state (``common.Fp32Products``). Returns the outputs by name: h, v_new (store_h), o,
+    finals, last."""
     cols = h0.shape[-1]
     c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
@@ -307,11 +308,12 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                 params=c.blocks.params(interpret, tile_bytes),
                 aliases={"finals_zeros": "finals"} if with_finals else None, nt=NT,
                 gate=gate, split_state=split_state, token_major=token_major,
-                interpret=interpret)[0]
+                interpret=interpret, products=products)[0]
 
 
 def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, token_major=False,
-                 interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None):
+                 interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
+                 products: Fp32Products = Fp32Products.TF32X3):
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
@@ -320,17 +322,18 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, toke
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                        interpret=interpret, dot_dtype=dot_dtype, with_output=True,
                        with_finals=with_finals, token_major=token_major, blocks=blocks,
-                       name="state_output")
+                       products=products, name="state_output")
     return out["o"], out.get("finals")
 
 
 def state_fwd(terms, layout, init, h0, *, gate: Gate, token_major=False, interpret=False,
-              dot_dtype=jnp.float32, blocks: StateBlocks | None = None):
+              dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
+              products: Fp32Products = Fp32Products.TF32X3):
     """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last);
     h and v_new in dot_dtype (they feed only the backward's products)."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=True,
                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                       blocks=blocks, name="state_fwd")
+                       blocks=blocks, products=products, name="state_fwd")
     return out["h"], out["v_new"], out["last"]
 
 
@@ -340,26 +343,28 @@ def _unless_unused(span: jax.Array, unused: jax.Array | None, nt: int) -> jax.Ar
 
 
 def state_last(terms, layout, init, h0, *, gate: Gate, unused=None, token_major=False,
-               interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None):
+               interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
+               products: Fp32Products = Fp32Products.TF32X3):
     """Twin of xla.state.state_last: the state after the last chunk (the chunks from the last
     sequence start on are run; none, and a zero state, where unused)."""
     span = _unless_unused(_span_after_last_start(layout), unused, terms.w.shape[0])
     return _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                         interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                        span=span, blocks=blocks, name="state_last")["last"]
+                        span=span, blocks=blocks, products=products, name="state_last")["last"]
 
 
 def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=False,
-               interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None):
-    """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). M, which
-    chains the states of all devices before, stays fp32-accurate: the bf16 tiles meet it
-    (and v_new) as two bf16 parts (``common.dot``), fp32 tiles at ``fp32_precision``.
+               interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
+               products: Fp32Products = Fp32Products.TF32X3):
+    """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). S_ext takes
+    `products`; M, which chains the states of all devices before, stays fp32-accurate: the
+    bf16 tiles meet it (and v_new) as two bf16 parts (``common.dot``), fp32 tiles at 3xTF32.
     unused (bool scalar, the last device's summary): no chunk is run and both are zero."""
     NT, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
     ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32), gate=gate,
                      unused=unused, token_major=token_major, interpret=interpret,
-                     dot_dtype=dot_dtype, blocks=blocks)
+                     dot_dtype=dot_dtype, blocks=blocks, products=products)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
@@ -373,9 +378,9 @@ _BwdRefs = refs_type("_BwdRefs", "w kd decay starts seq qg attn do ends carry d_
                       "token_start token_count k_rows q_rows d_final span d_init_zeros x dvn d_init")
 
 
-def _bwd_kernel(*refs, names, nt, gate, token_major, interpret):
+def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products):
     r = named(_BwdRefs, names, refs)
-    mul = lambda a, b: dot(a, b, interpret=interpret)
+    mul = lambda a, b: dot(a, b, interpret=interpret, products=products)
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
@@ -406,7 +411,7 @@ def _bwd_kernel(*refs, names, nt, gate, token_major, interpret):
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, gate: Gate,
               with_d_init: bool = False, entry_only: bool = False, unused=None,
               token_major: bool = False, interpret: bool = False, dot_dtype=jnp.float32,
-              blocks: StateBlocks | None = None):
+              blocks: StateBlocks | None = None, products: Fp32Products = Fp32Products.TF32X3):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
     X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
     layout or, with token_major, [B, T, HV, V]. unused (bool scalar, with entry_only: the
@@ -444,7 +449,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
                name="state_entry_cotangent" if entry_only else "state_bwd",
                params=c.blocks.params(interpret, tile_bytes),
                aliases={"d_init_zeros": "d_init"} if with_d_init else None, nt=NT, gate=gate,
-               token_major=token_major, interpret=interpret)[0]
+               token_major=token_major, interpret=interpret, products=products)[0]
     if entry_only:
         return out["d_entry"]
     return out["d_entry"], out.get("d_init"), out["x"], out["dvn"]
