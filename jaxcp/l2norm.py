@@ -6,7 +6,12 @@ from jax import lax
 L2NORM_EPS = 1e-6
 
 
+def l2_row_scales(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """1 / sqrt(sum(x^2, -1) + eps), float32, the shape of x without its last axis."""
+    x = x.astype(jnp.float32)
+    return lax.rsqrt(jnp.sum(x * x, axis=-1) + eps)
+
+
 def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     """x / sqrt(sum(x^2, -1) + eps), computed in float32; the shape of x is kept."""
-    x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x.astype(jnp.float32) * l2_row_scales(x, eps)[..., None]

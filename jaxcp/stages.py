@@ -150,11 +150,12 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         return intra_channel.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
-                                         gate_bound=o.gate_bound, interpret=o.interpret,
-                                         precise=precise)
+                                         gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
+                                         interpret=o.interpret, precise=precise)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
         return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept,
+                                             normalize_qk=o.normalize_qk,
                                              interpret=o.interpret, precise=precise)
 
     # Precise products for every input dtype (3xBF16 for bf16 inputs): with bf16 products,
@@ -162,8 +163,9 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # (3xTF32: 2.5e-3; gpu_checks.md)
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
-                                         gate_bound=o.gate_bound, interpret=o.interpret,
-                                         precise=True, products=products)
+                                         gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
+                                         interpret=o.interpret, precise=True,
+                                         products=products)
 
     # The state recurrences keep KDA's terms in float32 for every input dtype (3xBF16
     # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
@@ -179,7 +181,10 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 # In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at
 # K = 128 it saves the norm's passes over q, k (op forward 5.48 -> 5.09 ms, fwd+bwd 17.39 ->
 # 16.62 at T = 32768, H = 64); at K = 256 the intra kernel normalises at no cost but the
-# cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53.
+# cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53. KDA's kernels
+# can normalise too (normalize_qk: raw q, k, v in the input dtype, rows scaled as read),
+# which would be normalize_max_k = 256 with narrow_io; that stays off until it is timed on
+# a GPU (profile_stages.py --op kda --variants has its rows).
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     #              backend   gate          token_major normalize_max_k narrow_io build
     Implementation("xla", Gate.SCALAR, False, 0, False, _xla_stages),

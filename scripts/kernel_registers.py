@@ -31,6 +31,8 @@ def _parser():
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
     ap.add_argument("--gate-bound", type=float, default=None,
                     help="the sub-chunk kernels' gate bound, in [-5, 0) (safe_gate)")
+    ap.add_argument("--normalize-qk", action="store_true",
+                    help="the kernels read q, k L2-normalised (normalize_qk, row scales)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="of q, k, v, beta and do; it picks the cotangents' products "
                          "(Fp32Products.for_inputs)")
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     from jaxcp.pallas import grads_channel, intra_channel
+    from jaxcp.pallas.channel import unit_row_scales
     from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import ChunkBlocks
     from jaxcp.xla.intra import ChunkTerms
@@ -114,18 +117,19 @@ def main(argv=None) -> int:
     token, token_vec = spec(C, K, dtype=args.dtype), spec(C, dtype=args.dtype)
     products = Fp32Products.for_inputs(args.dtype)
     scale = K ** -0.5
+    rows = lambda q, k: unit_row_scales(q, k, args.normalize_qk)
     programs = {
         "forward gated sums": (lambda q, k, g, beta: intra_channel.gated_sums(
-            q, k, g, beta, scale, gate_bound=args.gate_bound, precise=False, blocks=blocks),
-            (token, token, tile, token_vec)),
+            q, k, g, beta, scale, gate_bound=args.gate_bound, precise=False, blocks=blocks,
+            **rows(q, k)), (token, token, tile, token_vec)),
         "forward terms": (lambda q, k, v, g, beta, a: intra_channel.wy_terms(
-            q, k, v, g, beta, scale, a=a, precise=False, blocks=blocks, with_inverse=True),
-            (token, token, token, tile, token_vec, square)),
+            q, k, v, g, beta, scale, a=a, precise=False, blocks=blocks, with_inverse=True,
+            **rows(q, k)), (token, token, token, tile, token_vec, square)),
         "cotangents": (lambda q, k, v, g, beta, w, u, inv, h, v_new, x, dvn, do:
                        grads_channel.chunk_grads(
                            q, k, v, g, beta, scale, ChunkTerms(w, u, None, None, None, None, inv),
                            h, v_new, x, dvn, do, gate_bound=args.gate_bound, precise=True,
-                           products=products, blocks=blocks),
+                           products=products, normalize_qk=args.normalize_qk, blocks=blocks),
                        (token,) * 3 + (tile, token_vec, tile, tile, square, state, tile, state,
                                        tile, token)),
     }

@@ -231,8 +231,10 @@ def _profile_kda(args, cu):
     timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
           *xs, terms, h, vn, x, dvn, do)
     if args.variants:
-        _kda_variants(partial(_timed_variant, rows, args.iters), xs, terms, h, vn, x, dvn, do,
-                      layout, h0, scale, args.interpret)
+        raw = timed("variant: to_chunks of the raw bf16 q, k, v (no norm)",
+                    lambda *a: tuple(to_chunks(x, tmap, NT, C) for x in a), q, k, v)
+        _kda_variants(partial(_timed_variant, rows, args.iters), xs, raw, terms, h, vn, x, dvn,
+                      do, layout, h0, scale, args.interpret)
     op = partial(jaxcp.chunk_kda, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                  backend=backend)
     timed("op forward", lambda *a: op(*a)[0], q, k, v, g, beta)
@@ -242,11 +244,14 @@ def _profile_kda(args, cu):
     _table(rows, T, H, D)
 
 
-def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale, interpret):
+def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, scale,
+                  interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
     pipeline stages, the sub-chunk kernels' launch order, 3xTF32 products) and with
-    safe_gate's gate bound, the state recurrences under ``StateBlocks`` and at 3xTF32. A variant that cannot
+    safe_gate's gate bound, the state recurrences under ``StateBlocks`` and at 3xTF32, and
+    the stages that read q, k with the norm in the kernels (normalize_qk) from the raw bf16
+    q, k, v (raw, chunk layout) in place of the XLA-normalised float32 copies. A variant that cannot
     compile is reported, not fatal."""
     from dataclasses import replace
 
@@ -292,6 +297,17 @@ def _kda_variants(timed_variant, xs, terms, h, vn, x, dvn, do, layout, h0, scale
                 lambda *a, b=b, p=products: grads_channel.chunk_grads(
                     *a[:5], scale, *a[5:], blocks=b, products=p, interpret=interpret),
                 *xs, terms, h, vn, x, dvn, do)
+    # the norm in the kernels: raw bf16 q, k, v in chunk layout, q, k normalised as read
+    normed_kw = dict(normalize_qk=True, interpret=interpret)
+    raw_xs = (*raw, *xs[3:])
+    variant("intra with the norm in the kernels (raw bf16 q, k, v)", lambda *a: (
+        intra_channel.intra_chunk(*a, scale, precise=False, **normed_kw)), *raw_xs)
+    variant("intra_again with the norm in the kernels", lambda *a: (
+        intra_channel.recompute_terms(*a, scale, intra_channel.kept_for_terms(terms),
+                                      precise=False, **normed_kw)), *raw_xs)
+    variant("chunk_grads with the norm in the kernels (its vjp by XLA)", lambda *a: (
+        grads_channel.chunk_grads(*a[:5], scale, *a[5:], **dict(normed_kw, **bf16x3))),
+        *raw_xs, terms, h, vn, x, dvn, do)
     kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, **bf16x3)
     tf32x3 = dict(kw, products=Fp32Products.TF32X3, blocks=StateBlocks.channel())
     variant("state_output with 3xTF32 products", lambda t: pstate.state_output(

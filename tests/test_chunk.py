@@ -86,6 +86,24 @@ def test_pallas_interpret_l2norm_before_kernels(monkeypatch):
     assert normalised, "XLA did not normalise q, k before the kernels"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_interpret_kda_norm_in_kernels(monkeypatch, dtype):
+    """KDA's kernels with the norm in them (normalize_qk, raw q, k, v in the input dtype;
+    not yet the table's default): the op equals the reference, and XLA normalises nothing
+    before the kernels."""
+    key = ("pallas", Gate.CHANNEL)
+    monkeypatch.setitem(IMPLEMENTATIONS, key, dataclasses.replace(
+        IMPLEMENTATIONS[key], normalize_max_k=256, narrow_io=True))
+    normalised = []
+    norm = jaxcp.ops.l2_normalize
+    monkeypatch.setattr(jaxcp.ops, "l2_normalize", lambda x: normalised.append(x) or norm(x))
+    cu = jnp.asarray([0, 1, 64, 65, 100, 130], jnp.int32)
+    args = make_inputs("kda", 1, 130, 1, 2, 32, 16, dtype=dtype, n_states=5)
+    check_against_reference("kda", args, dtype, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                            backend="interpret")
+    assert not normalised, "XLA normalised q, k before the kernels"
+
+
 @pytest.mark.parametrize("kind, T", [("gdn", 70), ("kda", 70), ("gdn", 128)])
 def test_pallas_interpret_batch(kind, T):
     """B = 2 without cu_seqlens through the Pallas kernels: one final state per batch row.

@@ -323,6 +323,35 @@ def test_chunk_grads_kda_very_negative_gates(gates):
         assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
 
 
+def test_kda_normalize_qk_in_kernels():
+    """KDA with normalize_qk: raw q, k in (bf16, as the op hands them over); the terms of
+    their L2-normalised rows, and the cotangents of the raw q, k (the normalisation's vjp),
+    equal to l2_normalize outside the XLA twins. K = 128: the row norms span two blocks of
+    key columns."""
+    args, _, rest = kda_grads_inputs(32, 128, 64, "random")
+    raw = (3 * args[0]).astype(jnp.bfloat16), (args[1] / 2).astype(jnp.bfloat16)
+    unit = lambda q, k: (l2_normalize(q), l2_normalize(k))
+    normed = (*unit(*raw), *args[2:])
+    want = xla.intra_chunk(*normed, 0.3, gate=Gate.CHANNEL, with_inverse=True)
+    got = intra_channel.intra_chunk(*raw, *args[2:], 0.3, with_inverse=True,
+                                    normalize_qk=True, interpret=True)
+    assert_terms(got, want, 1e-5)
+    again = intra_channel.recompute_terms(*raw, *args[2:], 0.3,
+                                          intra_channel.kept_for_terms(got),
+                                          normalize_qk=True, interpret=True)
+    assert_terms(again, want, 1e-5)
+
+    (qn, kn), unit_vjp = jax.vjp(unit, *(x.astype(jnp.float32) for x in raw))
+    dqn, dkn, *others = xla.chunk_grads(qn, kn, *args[2:], 0.3, None, *rest,
+                                        gate=Gate.CHANNEL)
+    want_grads = (*unit_vjp((dqn, dkn)), *others)
+    got = pgrads_channel.chunk_grads(*raw, *args[2:], 0.3, want, *rest, normalize_qk=True,
+                                     interpret=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want_grads):
+        assert a.dtype == jnp.float32, name
+        assert_rel(a, b, 1e-5, name)
+
+
 def grads_inputs(T, C, cu, K, V, seed):
     """Token tensors (q, k, v, g [..., 1], beta), random chunk-layout h, v_new, X, dvn and a
     token-major do, with the layout and its conversions."""

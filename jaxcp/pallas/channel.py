@@ -44,6 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcp.l2norm import l2_row_scales
+
 SUB_CHUNK = 16
 
 
@@ -59,6 +61,34 @@ def lower(x, *, strict: bool):
 
 def f32(x):
     return x.astype(jnp.float32)
+
+
+class RowScaled:
+    """A chunk tile ref [C, d] read with each row times its scale from rows_ref [C]: the
+    L2-normalised q or k from the raw tile and 1 / ||row|| (``l2norm.l2_row_scales``), so
+    that no normalised copy goes through memory. ref[rows, cols] gives float32 rows."""
+
+    def __init__(self, ref, rows_ref):
+        self.ref, self.rows_ref, self.shape = ref, rows_ref, ref.shape
+
+    def __getitem__(self, index):
+        return f32(self.ref[index]) * f32(self.rows_ref[index[0]])[:, None]
+
+
+def unit_row_scales(q, k, normalize_qk: bool) -> dict:
+    """The keyword arguments q_rows, k_rows [..., C] (1 / ||row||, ``l2_row_scales``, by
+    XLA) that make the kernels read q, k L2-normalised; none without normalize_qk."""
+    if not normalize_qk:
+        return {}
+    return dict(q_rows=l2_row_scales(q), k_rows=l2_row_scales(k))
+
+
+def with_unit_rows(r):
+    """The kernel refs r (a NamedTuple) with q and k read L2-normalised (``RowScaled``)
+    where their row scales q_rows, k_rows are operands."""
+    scaled = {name: RowScaled(getattr(r, name), getattr(r, name + "_rows"))
+              for name in ("q", "k") if getattr(r, name + "_rows", None) is not None}
+    return r._replace(**scaled)
 
 
 def row_at(x, i: int):

@@ -27,6 +27,9 @@ u = T (beta v)) and the gated row and column sums of ``pallas.channel``
          dG += q o Rq - k o Cq + beta k o R - k o Q
     4. dg = reverse cumsum of dG over the chunk's rows.
 
+With normalize_qk the kernels read q, k L2-normalised from the raw tiles (as
+``intra_channel`` does), and XLA applies the normalisation's vjp to dq, dk.
+
 Every decay is a product of factors <= 1 (``pallas.channel``), so the cotangents are finite
 for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
 only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the sub-chunk
@@ -35,13 +38,16 @@ dtype: 3xTF32 for fp32 inputs, 3xBF16 for bf16 ones (``common.Fp32Products``).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   check_chunk, check_gate_bound, chunk_cumsum, f32, iota,
-                                  lower, sub_chunk_axis, sub_chunk_specs)
+                                  lower, sub_chunk_axis, sub_chunk_specs, unit_row_scales,
+                                  with_unit_rows)
 from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
                                  named, refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -53,13 +59,13 @@ def _sum_products(product, xs, ys):
     return sum(product(x, y.T) for x, y in zip(xs, ys))
 
 
-_InterRefs = refs_type("_InterRefs", "q k g do h v_new x dvn dq dk dw dg mq")
+_InterRefs = refs_type("_InterRefs", "q k g do h v_new x dvn dq dk dw dg mq", "q_rows k_rows")
 
 
 def _inter_kernel(*refs, names, scale, dots, blocks):
     """Step 1 of the module docstring for one (chunk, head): q, k, g [C, K], do, v_new, dvn
     [C, V], h, x [K, V] -> dq, dk, dw, dG [C, K] and Mq [C, C], float32."""
-    r = named(_InterRefs, names, refs)
+    r = with_unit_rows(named(_InterRefs, names, refs))
     C, K = r.k.shape
     V = r.do.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -99,14 +105,15 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     lax.fori_loop(0, K // bk, block, 0)
 
 
-_WYRefs = refs_type("_WYRefs", "k v g beta w u inv dvn dw dk_in dg_in dk dv dg dbeta da")
+_WYRefs = refs_type("_WYRefs", "k v g beta w u inv dvn dw dk_in dg_in dk dv dg dbeta da",
+                    "k_rows")
 
 
 def _wy_kernel(*refs, names, dots, blocks):
     """Step 2 of the module docstring for one (chunk, head): k, g, w, dw [C, K], v, u, dvn
     [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dg_in) -> dv
     [C, V], dbeta [C] and dA [C, C], float32."""
-    r = named(_WYRefs, names, refs)
+    r = with_unit_rows(named(_WYRefs, names, refs))
     C, K = r.k.shape
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -141,7 +148,7 @@ def _wy_kernel(*refs, names, dots, blocks):
 
 
 _SumsRefs = refs_type("_SumsRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in dg_in "
-                                    "dbeta_in dq dk dg dbeta")
+                                    "dbeta_in dq dk dg dbeta", "q_rows k_rows")
 
 
 def _sums_kernel(*refs, names, gate_bound, dots, blocks):
@@ -152,7 +159,7 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
     one partner row p at a time, the entries of Mq and dA in its row and column of the
     diagonal block gathered from the flat matrices, or with a gate bound four products of
     the diagonal blocks."""
-    r = named(_SumsRefs, names, refs)
+    r = with_unit_rows(named(_SumsRefs, names, refs))
     C, K = r.k.shape
     S = SUB_CHUNK
     bk = blocks.cols(K)
@@ -232,13 +239,16 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
-                gate_bound: float | None = None, interpret: bool = False, precise: bool = True,
+                gate_bound: float | None = None, normalize_qk: bool = False,
+                interpret: bool = False, precise: bool = True,
                 products: Fp32Products = Fp32Products.TF32X3,
                 blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) in the chunk layout (module
     docstring): (dq, dk, dv, dg, dbeta), float32, shapes of q, k, v, g, beta. terms must
     carry the inverse (``intra_chunk(..., with_inverse=True)``). gate_bound as in
-    ``intra_channel.intra_chunk``. precise: every product at `products`
+    ``intra_channel.intra_chunk``. normalize_qk: q, k are raw, the kernels read them
+    L2-normalised (as ``intra_chunk(normalize_qk=True)``), and dq, dk are the cotangents of
+    the raw q, k (the normalisation's vjp by XLA). precise: every product at `products`
     (``common.Fp32Products``), else bf16 products. blocks: the launch configuration
     (``ChunkBlocks.channel_grads`` if None)."""
     if terms.inv is None:
@@ -254,6 +264,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     kw = dict(params=blocks.params(interpret), dots=dots, blocks=blocks)
     f32_like = lambda struct, a: struct(a.shape, jnp.float32)
     square = (NT, B, HV, C, C)
+    rows = unit_row_scales(q, k, normalize_qk)
 
     inter = Operands()
     for name, spec, val in (("q", sp.tile(K), q), ("k", sp.tile(K), k), ("g", sp.tile(K), g),
@@ -261,6 +272,8 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                             ("v_new", sp.tile(V), v_new), ("x", state, x),
                             ("dvn", sp.tile(V), dvn)):
         inter.add(name, spec, val)
+    for name, val in rows.items():
+        inter.add(name, sp.vec, val)
 
     def inter_outs(out, struct):
         for name in ("dq", "dk", "dw", "dg"):
@@ -278,6 +291,8 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                             ("dk_in", sp.tile(K), step1["dk"]),
                             ("dg_in", sp.tile(K), step1["dg"])):
         wy.add(name, spec, val)
+    if normalize_qk:
+        wy.add("k_rows", sp.vec, rows["k_rows"])
 
     def wy_outs(out, struct):
         out.add("dk", sp.tile(K), f32_like(struct, k))
@@ -303,6 +318,8 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                             ("dg_in", ss.rows(K), step2["dg"]),
                             ("dbeta_in", ss.rows_vec, step2["dbeta"])):
         sums.add(name, spec, val)
+    for name, val in rows.items():
+        sums.add(name, ss.chunk_vec, val)
 
     def sums_outs(out, struct):
         for name in ("dq", "dk", "dg"):
@@ -315,4 +332,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                     gate_bound=gate_bound, **kw)
     # dg_s = sum_{i >= s} dG_i over the chunk's rows
     dg = lax.cumsum(step3["dg"], axis=3, reverse=True)
-    return step3["dq"], step3["dk"], step2["dv"], dg, step3["dbeta"]
+    dq, dk = step3["dq"], step3["dk"]
+    if normalize_qk:
+        dq, dk = (jax.vjp(l2_normalize, f32(x))[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
+    return dq, dk, step2["dv"], dg, step3["dbeta"]

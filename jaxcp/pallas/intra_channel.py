@@ -30,6 +30,9 @@ Every exponent is <= 0, so the terms are finite for any g <= 0. Then
 
 K and V are walked in blocks of ``ChunkBlocks.col_block`` columns; the sums over channels
 add up over the blocks. A and attn pass between the kernels in float32 ([C, C] per chunk).
+With normalize_qk the kernels take the raw q, k and their rows' 1 / ||row|| ([C] per chunk,
+by XLA) and read every row of q, k times it (``channel.RowScaled``): the terms of the
+L2-normalised rows, with no normalised copy in memory.
 """
 from __future__ import annotations
 
@@ -39,13 +42,14 @@ from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   check_chunk, check_gate_bound, chunk_cumsum, diagonal_offset,
-                                  f32, iota, sub_chunk_axis, sub_chunk_specs)
+                                  f32, iota, sub_chunk_axis, sub_chunk_specs, unit_row_scales,
+                                  with_unit_rows)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
-_SumsRefs = refs_type("_SumsRefs", "q k G beta a attn")
+_SumsRefs = refs_type("_SumsRefs", "q k G beta a attn", "q_rows k_rows")
 
 
 def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlocks):
@@ -53,7 +57,7 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
     of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and attn = scale lower(sum_d q_id
     k_jd E_ijd), [S, C] each, written as [S, S] blocks: one per sub-chunk before b, the
     diagonal block, zeros after."""
-    r = named(_SumsRefs, names, refs)
+    r = with_unit_rows(named(_SumsRefs, names, refs))
     C, K = r.k.shape
     S = SUB_CHUNK
     bk = blocks.cols(K)
@@ -107,12 +111,13 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
     lax.fori_loop(sc.index + 1, C // S, after, 0)
 
 
-_TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay", "a inv_in inv")
+_TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay",
+                       "a inv_in inv q_rows k_rows")
 
 
 def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     """T = (I + A)^-1 (or the T given), then w, u, qg, kd, decay of one (chunk, head)."""
-    r = named(_TermsRefs, names, refs)
+    r = with_unit_rows(named(_TermsRefs, names, refs))
     K = r.k.shape[1]
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -137,12 +142,14 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
 
 
 def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
-               interpret: bool = False, precise: bool = True,
+               q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
                blocks: ChunkBlocks | None = None):
     """(A, attn) [NT, B, HV, C, C] float32: A = strict_lower(beta_i sum_d k_id k_jd
     exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
     cumsum of g (module docstring), one program per (chunk, batch, head, sub-chunk of 16
-    rows). Shapes, gate_bound and precise as in ``intra_chunk``."""
+    rows). q_rows, k_rows [NT, B, HV, C] (both or neither): the rows of q, k are taken
+    times them (``channel.RowScaled``). Shapes, gate_bound and precise as in
+    ``intra_chunk``."""
     check_gate_bound(gate_bound)
     NT, B, HV, C, K = k.shape
     check_chunk(C)
@@ -152,6 +159,7 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     for name, x in (("q", q), ("k", k), ("G", chunk_cumsum(g))):
         ins.add(name, sp.chunk(K), x)
     ins.add("beta", sp.rows_vec, beta)
+    _add_row_scales(ins, sp.chunk_vec, q_rows, k_rows)
 
     def outs(out, struct):
         out.add("a", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
@@ -164,11 +172,11 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
 
 
 def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: bool = False,
-             interpret: bool = False, precise: bool = True,
+             q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
              blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """The terms but attn: T = (I + a)^-1 from ``gated_sums``'s a, or the inverse inv given
     (exactly one of the two), then w, u, qg, kd, decay (module docstring); with_inverse also
-    returns T (a only). attn is left None."""
+    returns T (a only). attn is left None. q_rows, k_rows as in ``gated_sums``."""
     if (a is None) == (inv is None):
         raise ValueError("wy_terms: give exactly one of a and inv")
     NT, B, HV, C, K = k.shape
@@ -180,6 +188,7 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
     for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V), ("g", g, K)):
         ins.add(name, sp.tile(d), x)
     ins.add("beta", sp.vec, beta)
+    _add_row_scales(ins, sp.vec, q_rows, k_rows)
     if a is not None:
         ins.add("a", sp.tile(C), a)
     else:
@@ -204,7 +213,8 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
-                gate_bound: float | None = None, interpret: bool = False, precise: bool = True,
+                gate_bound: float | None = None, normalize_qk: bool = False,
+                interpret: bool = False, precise: bool = True,
                 blocks: ChunkBlocks | None = None,
                 sub_chunk_blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
@@ -213,10 +223,12 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     bound in [-5, 0) that every gate is known to respect (g in [gate_bound, 0)), for one
     product per diagonal block (``channel.diagonal_offset``). precise: 3xTF32 products (fp32
     inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
-    ``common.dots``). The terms are float32, as the jnp twin's. blocks: the launch
+    ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
+    L2-normalised rows (the kernels scale the rows as they read them; ``l2_row_scales``
+    by XLA). The terms are float32, as the jnp twin's. blocks: the launch
     configuration of ``wy_terms`` (``ChunkBlocks.default`` if None), sub_chunk_blocks that
     of ``gated_sums`` (``ChunkBlocks.sub_chunk`` if None)."""
-    kw = dict(interpret=interpret, precise=precise)
+    kw = dict(interpret=interpret, precise=precise, **unit_row_scales(q, k, normalize_qk))
     a, attn = gated_sums(q, k, g, beta, scale, gate_bound=gate_bound, blocks=sub_chunk_blocks,
                          **kw)
     terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, blocks=blocks,
@@ -229,8 +241,19 @@ def kept_for_terms(terms: ChunkTerms):
     return terms.inv, terms.attn
 
 
-def recompute_terms(q, k, v, g, beta, scale: float, kept, **kw) -> ChunkTerms:
+def recompute_terms(q, k, v, g, beta, scale: float, kept, *, normalize_qk: bool = False,
+                    **kw) -> ChunkTerms:
     """The terms with the inverse again from the kept (T, attn): w, u, qg, kd and decay by
-    ``wy_terms`` from T, without the gated sums. kw as in ``intra_chunk``."""
+    ``wy_terms`` from T, without the gated sums. normalize_qk and kw as in
+    ``intra_chunk``."""
     inv, attn = kept
-    return wy_terms(q, k, v, g, beta, scale, inv=inv, **kw)._replace(attn=attn)
+    return wy_terms(q, k, v, g, beta, scale, inv=inv, **unit_row_scales(q, k, normalize_qk),
+                    **kw)._replace(attn=attn)
+
+
+def _add_row_scales(ins: Operands, spec, q_rows, k_rows) -> None:
+    if (q_rows is None) != (k_rows is None):
+        raise ValueError("q_rows, k_rows: give both or neither")
+    if q_rows is not None:
+        ins.add("q_rows", spec, q_rows)
+        ins.add("k_rows", spec, k_rows)
