@@ -12,6 +12,11 @@ between cuProfilerStart and cuProfilerStop, so that ncu (--profile-from-start of
 that call's kernels alone. jaxcp runs ``backend="pallas"``; FLA (its ``chunk_kda`` or
 ``chunk_gated_delta_rule``, fused norm) must be importable. `table` sums each CSV per kernel
 name (``jaxcp.bench.ncu``) and prints one markdown table per LABEL=CSV.
+
+FLA autotunes its kernels on their first calls, which under ncu ran past 150 s at T = 8192,
+H = 64: run `run --impl fla` (or the benchmark) once without ncu first, on the same machine.
+FLA keeps its autotuning results in triton's disk cache (its FLA_CACHE_RESULTS default), and
+the run under ncu reads them.
 """
 from __future__ import annotations
 
