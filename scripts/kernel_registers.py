@@ -94,8 +94,11 @@ def main(argv=None) -> int:
             _parser().error(f"--{flag.replace('_', '-')} must be positive")
     if args.K % args.col_block and args.col_block < args.K:
         _parser().error("--col-block must divide --K")
-    if args.gate_bound is not None and not -5 <= args.gate_bound < 0:
-        _parser().error("--gate-bound must be in [-5, 0)")
+    from jaxcp.pallas.channel import MIN_GATE_BOUND, check_gate_bound, unit_row_scales
+    try:
+        check_gate_bound(args.gate_bound)
+    except ValueError:
+        _parser().error(f"--gate-bound must be in [{MIN_GATE_BOUND:g}, 0)")
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -104,7 +107,6 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     from jaxcp.pallas import grads_channel, intra_channel
-    from jaxcp.pallas.channel import unit_row_scales
     from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import ChunkBlocks
     from jaxcp.xla.intra import ChunkTerms

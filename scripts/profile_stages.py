@@ -268,12 +268,17 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     q, k, v, g, beta = xs
     chunk_blocks = lambda col, warps, stages: (f"{col} columns, {warps} warps, {stages} stages",
                                                ChunkBlocks(col, warps, stages))
+
+    def other_launch_order(shipped):
+        """(row name, blocks) of the shipped blocks with the other sub-chunk grid order."""
+        name = "chunks first" if shipped.sub_chunks_first else "sub-chunks first"
+        return (f"{name} in the grid",
+                replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
+
     shipped = ChunkBlocks.sub_chunk()
-    launch_order = ("sub-chunks first in the grid" if not shipped.sub_chunks_first else
-                    "chunks first in the grid",
-                    replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
     for how, b in [("as shipped", shipped), chunk_blocks(64, 4, 3), chunk_blocks(64, 8, 1),
-                   chunk_blocks(64, 2, 1), chunk_blocks(32, 4, 1), launch_order]:
+                   chunk_blocks(64, 2, 1), chunk_blocks(32, 4, 1),
+                   other_launch_order(shipped)]:
         variant(f"gated sums {how}",
                 lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
                                                          interpret=interpret), q, k, g, beta)
@@ -287,12 +292,10 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
         *a[:5], scale, *a[5:], gate_bound=-5.0, **bf16x3),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
     shipped = ChunkBlocks.channel_grads()
-    launch_order = ("sub-chunks first in the grid" if not shipped.sub_chunks_first else
-                    "chunks first in the grid",
-                    replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
     for how, b, products in [(name, b, Fp32Products.BF16X3) for name, b in (
             chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
-            launch_order)] + [("with 3xTF32 products", shipped, Fp32Products.TF32X3)]:
+            other_launch_order(shipped))] + [("with 3xTF32 products", shipped,
+                                              Fp32Products.TF32X3)]:
         variant(f"chunk_grads {how}",
                 lambda *a, b=b, p=products: grads_channel.chunk_grads(
                     *a[:5], scale, *a[5:], blocks=b, products=p, interpret=interpret),

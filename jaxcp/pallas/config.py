@@ -85,8 +85,9 @@ class ChunkBlocks:
         three [C, 64] and two [64, 64] float32 tiles per step; three stages would need 240
         KiB of shared memory, over the 227 KiB a block gets on the H100 and the H200. The
         other two kernels were measured with it (the sub-chunk kernel: 44.8 ms for the
-        three at T = 32768, H = 64, K = 128 against 49.1 with one stage). The launch order:
-        45.1 -> 42.6 ms (H100)."""
+        three at T = 32768, H = 64, K = 128 against 49.1 with one stage). The launch order
+        (H100, same shape): 45.1 -> 42.6 ms with 3xTF32 products, 40.2 -> 37.6 with the
+        3xBF16 ones that bf16 inputs take."""
         return cls(num_stages=2, sub_chunks_first=True)
 
     @classmethod
