@@ -158,16 +158,16 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
                                              normalize_qk=o.normalize_qk,
                                              interpret=o.interpret, precise=precise)
 
-    # Precise products for every input dtype (3xBF16 for bf16 inputs): with bf16 products,
-    # correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the reference on the H100
-    # (3xTF32: 2.5e-3; gpu_checks.md)
+    # Products that keep fp32 tiles finer than bf16 for every input dtype (TF32 for bf16
+    # inputs): with bf16 products, correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the
+    # reference on the H100 (TF32: 2.8e-3; gpu_checks.md)
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
         return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
                                          gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
                                          interpret=o.interpret, precise=True,
                                          products=products)
 
-    # The state recurrences keep KDA's terms in float32 for every input dtype (3xBF16
+    # The state recurrences keep KDA's terms in float32 for every input dtype (TF32
     # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
     # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32

@@ -248,8 +248,9 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
                   interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
-    pipeline stages, the sub-chunk kernels' launch order, 3xTF32 products) and with
-    safe_gate's gate bound, the state recurrences under ``StateBlocks`` and at 3xTF32, and
+    pipeline stages, the sub-chunk kernels' launch order, 3xTF32 or 3xBF16 products in place
+    of the shipped TF32) and with safe_gate's gate bound, the state recurrences under
+    ``StateBlocks`` and at 3xTF32 or 3xBF16, and
     the stages that read q, k with the norm in the kernels (normalize_qk) from the raw bf16
     q, k, v (raw, chunk layout) in place of the XLA-normalised float32 copies. A variant that cannot
     compile is reported, not fatal."""
@@ -287,17 +288,20 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(
         *a, scale, gate_bound=-5.0, precise=False, interpret=interpret), q, k, bounded, beta)
     # the products the stage table picks for bf16 inputs, unless a row says otherwise
-    bf16x3 = dict(products=Fp32Products.BF16X3, interpret=interpret)
+    products = Fp32Products.for_inputs(jnp.bfloat16)
+    as_shipped = dict(products=products, interpret=interpret)
+    names = {Fp32Products.TF32X3: "3xTF32", Fp32Products.BF16X3: "3xBF16"}
+    other_products = [(f"with {name} products", p) for p, name in names.items()
+                      if p is not products]
     variant("chunk_grads with gate bound -5", lambda *a: grads_channel.chunk_grads(
-        *a[:5], scale, *a[5:], gate_bound=-5.0, **bf16x3),
+        *a[:5], scale, *a[5:], gate_bound=-5.0, **as_shipped),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
     shipped = ChunkBlocks.channel_grads()
-    for how, b, products in [(name, b, Fp32Products.BF16X3) for name, b in (
+    for how, b, p in [(name, b, products) for name, b in (
             chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
-            other_launch_order(shipped))] + [("with 3xTF32 products", shipped,
-                                              Fp32Products.TF32X3)]:
+            other_launch_order(shipped))] + [(how, shipped, p) for how, p in other_products]:
         variant(f"chunk_grads {how}",
-                lambda *a, b=b, p=products: grads_channel.chunk_grads(
+                lambda *a, b=b, p=p: grads_channel.chunk_grads(
                     *a[:5], scale, *a[5:], blocks=b, products=p, interpret=interpret),
                 *xs, terms, h, vn, x, dvn, do)
     # the norm in the kernels: raw bf16 q, k, v in chunk layout, q, k normalised as read
@@ -309,14 +313,15 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
         intra_channel.recompute_terms(*a, scale, intra_channel.kept_for_terms(terms),
                                       precise=False, **normed_kw)), *raw_xs)
     variant("chunk_grads with the norm in the kernels (its vjp by XLA)", lambda *a: (
-        grads_channel.chunk_grads(*a[:5], scale, *a[5:], **dict(normed_kw, **bf16x3))),
+        grads_channel.chunk_grads(*a[:5], scale, *a[5:], **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
-    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, **bf16x3)
-    tf32x3 = dict(kw, products=Fp32Products.TF32X3, blocks=StateBlocks.channel())
-    variant("state_output with 3xTF32 products", lambda t: pstate.state_output(
-        t, layout, None, h0, False, **tf32x3)[0], terms)
-    variant("state_bwd with 3xTF32 products", lambda t, d: pstate.state_bwd(
-        t, layout, d, None, h0, **tf32x3), terms, do)
+    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, **as_shipped)
+    for how, p in other_products:
+        other = dict(kw, products=p, blocks=StateBlocks.channel())
+        variant(f"state_output {how}", lambda t, o=other: pstate.state_output(
+            t, layout, None, h0, False, **o)[0], terms)
+        variant(f"state_bwd {how}", lambda t, d, o=other: pstate.state_bwd(
+            t, layout, d, None, h0, **o), terms, do)
     for bv, warps in ((64, 4), (64, 8), (32, 8)):
         b = StateBlocks(block_cols=bv, num_warps=warps)
         variant(f"state_output BV={bv}, {warps} warps", lambda t, b=b: pstate.state_output(

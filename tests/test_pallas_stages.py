@@ -497,10 +497,10 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
     assert_rel(m, want, 1e-4, "M")
 
 
-@pytest.mark.parametrize("dtype, products", [("bfloat16", Fp32Products.BF16X3),
+@pytest.mark.parametrize("dtype, products", [("bfloat16", Fp32Products.TF32),
                                              ("float32", Fp32Products.TF32X3)])
 def test_kda_stages_pick_precise_products(dtype, products):
-    """KDA's Pallas state recurrences take float32 terms at 3xBF16 for bf16 inputs and 3xTF32
+    """KDA's Pallas state recurrences take float32 terms at TF32 for bf16 inputs and 3xTF32
     for fp32 ones, 32 state columns per program."""
     st = stages_for("pallas", Gate.CHANNEL, dtype)
     for stage in (st.state_output, st.state_fwd, st.state_bwd, st.cp_summary):

@@ -33,16 +33,20 @@ class Fp32Products(enum.Enum):
     on tensor cores (IEEE fp32 products would be FMA loops on CUDA cores).
 
     TF32X3 (the fp32 path): each operand as hi + lo TF32 parts, three TF32 products, ~1e-7
-    relative per product. BF16X3 (bf16 inputs whose intermediates stay fp32, KDA's): hi + lo
-    bf16 parts, three bf16 products, ~2^-16 = 1.5e-5 relative, far under the 4e-3 rounding
-    of the bf16 inputs, at half the tensor-core time (bf16 runs at twice the TF32 rate)."""
+    relative per product. TF32 (bf16 inputs whose intermediates stay fp32, KDA's): one TF32
+    product, each operand rounded to TF32's 10-bit mantissa (2^-11 relative, 8x finer than
+    bf16), at the cost of two bf16 products. BF16X3: hi + lo bf16 parts, three bf16
+    products, ~2^-16 relative, more digits than bf16 inputs can use; measured slower than
+    TF32 for KDA's kernels (H200, T = 32768, H = 64, K = 128: op forward+backward 70.3 ->
+    61.1 ms with TF32; docs/benchmarks/kernels_kda.md)."""
     TF32X3 = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    TF32 = lax.DotAlgorithmPreset.TF32_TF32_F32
     BF16X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
     @classmethod
     def for_inputs(cls, dtype) -> "Fp32Products":
-        """TF32X3 for fp32 inputs, BF16X3 for bf16 ones."""
-        return cls.TF32X3 if jnp.dtype(dtype) == jnp.float32 else cls.BF16X3
+        """TF32X3 for fp32 inputs, TF32 for bf16 ones."""
+        return cls.TF32X3 if jnp.dtype(dtype) == jnp.float32 else cls.TF32
 
 
 def fp32_precision(interpret: bool, products: Fp32Products = Fp32Products.TF32X3):

@@ -46,9 +46,9 @@ class StateBlocks:
 
     @classmethod
     def channel(cls) -> "StateBlocks":
-        """KDA's state recurrences (float32 terms, ``Fp32Products.BF16X3`` for bf16 inputs):
-        32 state columns per program. Measured on the H100 at T = 32768, H = 64, K = 128
-        against 64 columns: state_bwd 11.3 -> 8.1 ms, state_fwd 4.7 -> 4.3, state_output
+        """KDA's state recurrences (float32 terms): 32 state columns per program.
+        Measured on the H100 at T = 32768, H = 64, K = 128 against 64 columns, with
+        ``Fp32Products.BF16X3``: state_bwd 11.3 -> 8.1 ms, state_fwd 4.7 -> 4.3, state_output
         6.8 -> 6.7 (64 columns with 8 warps: 8.5, 4.4, 7.4)."""
         return cls(block_cols=32)
 
@@ -86,8 +86,8 @@ class ChunkBlocks:
         KiB of shared memory, over the 227 KiB a block gets on the H100 and the H200. The
         other two kernels were measured with it (the sub-chunk kernel: 44.8 ms for the
         three at T = 32768, H = 64, K = 128 against 49.1 with one stage). The launch order
-        (H100, same shape): 45.1 -> 42.6 ms with 3xTF32 products, 40.2 -> 37.6 with the
-        3xBF16 ones that bf16 inputs take."""
+        (H100, same shape): 45.1 -> 42.6 ms with 3xTF32 products, 40.2 -> 37.6 with
+        3xBF16 ones."""
         return cls(num_stages=2, sub_chunks_first=True)
 
     @classmethod

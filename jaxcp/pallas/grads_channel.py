@@ -34,7 +34,7 @@ Every decay is a product of factors <= 1 (``pallas.channel``), so the cotangents
 for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
 only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the sub-chunk
 kernel holds [16, *] tiles. The stage table asks for precise products for every input
-dtype: 3xTF32 for fp32 inputs, 3xBF16 for bf16 ones (``common.Fp32Products``).
+dtype: 3xTF32 for fp32 inputs, TF32 for bf16 ones (``common.Fp32Products``).
 """
 from __future__ import annotations
 
