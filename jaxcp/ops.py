@@ -38,12 +38,11 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
     backend = resolve_backend(backend)
     impl = implementation(backend, gate)
     dot_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
-    io = impl.io_dtype(dot_dtype)
     normalize_in_kernels = use_qk_l2norm_in_kernel and impl.normalizes_qk(K)
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel and not normalize_in_kernels:
         q, k = l2_normalize(q), l2_normalize(k)
-    q, k = (jnp.repeat(x.astype(io), HV // H, axis=2) for x in (q, k))
+    q, k = (jnp.repeat(x.astype(impl.qk_dtype(dot_dtype)), HV // H, axis=2) for x in (q, k))
     g = f32(g)[..., None] if gate is Gate.SCALAR else f32(g)
 
     device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
@@ -60,7 +59,7 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
                      cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
                      dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
                      chunk_size=chunk_size, gate_bound=gate_bound)
-    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(io)), chunk(g),
+    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(impl.v_dtype(dot_dtype))), chunk(g),
                                 chunk(f32(beta)), init, layout)
     if final is not None and cp_axis is not None:
         final = lax.psum(final, cp_axis)

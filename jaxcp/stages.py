@@ -76,18 +76,23 @@ class StageOptions:
 class Implementation:
     """backend, gate: the table key. token_major: reads and writes the token tensors in place
     (see the module docstring). normalize_max_k: the kernels L2-normalise q, k themselves
-    for K up to this (0: never; the op normalises with XLA first). narrow_io: q, k, v reach
-    the kernels in bf16 when the inputs are bf16 (else float32). build: the Stages for a
-    StageOptions."""
+    for K up to this (0: never; the op normalises with XLA first). narrow_qk, narrow_v: q
+    and k, and v, reach the kernels in bf16 when the inputs are bf16 (else float32; v is
+    never transformed before the kernels, so bf16 v is exact where they read it as
+    float32). build: the Stages for a StageOptions."""
     backend: str
     gate: Gate
     token_major: bool
     normalize_max_k: int
-    narrow_io: bool
+    narrow_qk: bool
+    narrow_v: bool
     build: Callable[[StageOptions], Stages]
 
-    def io_dtype(self, dot_dtype: str):
-        return jnp.bfloat16 if self.narrow_io and dot_dtype == "bfloat16" else jnp.float32
+    def qk_dtype(self, dot_dtype: str):
+        return jnp.bfloat16 if self.narrow_qk and dot_dtype == "bfloat16" else jnp.float32
+
+    def v_dtype(self, dot_dtype: str):
+        return jnp.bfloat16 if self.narrow_v and dot_dtype == "bfloat16" else jnp.float32
 
     def normalizes_qk(self, K: int) -> bool:
         return K <= self.normalize_max_k
@@ -183,14 +188,14 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 # 16.62 at T = 32768, H = 64); at K = 256 the intra kernel normalises at no cost but the
 # cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53. KDA's kernels
 # can normalise too (normalize_qk: raw q, k, v in the input dtype, rows scaled as read),
-# which would be normalize_max_k = 256 with narrow_io; that stays off until it is timed on
-# a GPU (profile_stages.py --op kda --variants has its rows).
+# which would be normalize_max_k = 256 with narrow_qk; on the H100 that was slower
+# (docs/design.md, KDA), so KDA's q, k reach its kernels normalised by XLA, in float32.
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
-    #              backend   gate          token_major normalize_max_k narrow_io build
-    Implementation("xla", Gate.SCALAR, False, 0, False, _xla_stages),
-    Implementation("xla", Gate.CHANNEL, False, 0, False, _xla_stages),
-    Implementation("pallas", Gate.SCALAR, True, 128, True, _pallas_scalar_stages),
-    Implementation("pallas", Gate.CHANNEL, False, 0, False, _pallas_channel_stages),
+    #              backend   gate      token_major normalize_max_k narrow_qk narrow_v build
+    Implementation("xla", Gate.SCALAR, False, 0, False, False, _xla_stages),
+    Implementation("xla", Gate.CHANNEL, False, 0, False, False, _xla_stages),
+    Implementation("pallas", Gate.SCALAR, True, 128, True, True, _pallas_scalar_stages),
+    Implementation("pallas", Gate.CHANNEL, False, 0, False, True, _pallas_channel_stages),
 )}
 
 

@@ -28,6 +28,9 @@ def _parser():
     ap.add_argument("--col-block", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--pair-cols", type=int, default=0,
+                    help="the sub-chunk kernels' diagonal pairs on this many channels at a "
+                         "time (ChunkBlocks.pair_cols; 0: partner by partner)")
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
     ap.add_argument("--gate-bound", type=float, default=None,
                     help="the sub-chunk kernels' gate bound, in [-5, 0) (safe_gate)")
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
     from jaxcp.xla.intra import ChunkTerms
 
     blocks = ChunkBlocks(col_block=args.col_block, num_warps=args.warps,
-                         num_stages=args.stages)
+                         num_stages=args.stages, pair_cols=args.pair_cols)
     NT, B, H, C, K = 2, 1, 2, 64, args.K
     spec = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct((NT, B, H) + s, dtype)
     tile, vec, square, state = spec(C, K), spec(C), spec(C, C), spec(K, K)

@@ -194,7 +194,7 @@ def _profile_kda(args, cu):
     T, H, D, C = args.T, args.H, args.D, 64
     backend = "interpret" if args.interpret else "pallas"
     impl = implementation(backend, Gate.CHANNEL)
-    io = impl.io_dtype("bfloat16")
+    qk_dtype, v_dtype = impl.qk_dtype("bfloat16"), impl.v_dtype("bfloat16")
     st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C)
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -210,8 +210,9 @@ def _profile_kda(args, cu):
 
     def chunked(q, k, v, g, beta):
         f32 = lambda x: x.astype(jnp.float32)
-        q, k = (l2_normalize(f32(x)).astype(io) for x in (q, k))
-        return tuple(to_chunks(x, tmap, NT, C) for x in (q, k, v.astype(io), f32(g), f32(beta)))
+        q, k = (l2_normalize(f32(x)).astype(qk_dtype) for x in (q, k))
+        return tuple(to_chunks(x, tmap, NT, C)
+                     for x in (q, k, v.astype(v_dtype), f32(g), f32(beta)))
 
     xs = timed("l2norm + to_chunks (XLA)", chunked, q, k, v, g, beta)
     timed("intra", lambda *a: st.intra(*a, scale, layout), *xs)
@@ -248,12 +249,12 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
                   interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
-    pipeline stages, the sub-chunk kernels' launch order, 3xTF32 or 3xBF16 products in place
-    of the shipped TF32) and with safe_gate's gate bound, the state recurrences under
-    ``StateBlocks`` and at 3xTF32 or 3xBF16, and
-    the stages that read q, k with the norm in the kernels (normalize_qk) from the raw bf16
-    q, k, v (raw, chunk layout) in place of the XLA-normalised float32 copies. A variant that cannot
-    compile is reported, not fatal."""
+    pipeline stages, the sub-chunk kernels' launch order, their diagonal pairs all at once),
+    with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
+    bound; the state recurrences under ``StateBlocks`` and at 3xTF32 or 3xBF16; and the
+    stages that read q, k with the norm in the kernels (normalize_qk) from the raw bf16 q,
+    k, v (raw, chunk layout) in place of the XLA-normalised float32 copies. A variant that
+    cannot compile is reported, not fatal."""
     from dataclasses import replace
 
     import jax.numpy as jnp
@@ -276,10 +277,16 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
         return (f"{name} in the grid",
                 replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
 
+    def pairs_at_once(shipped, n):
+        """(row name, blocks) of the shipped blocks with the diagonal block's pairs all at once
+        on n channels at a time (``ChunkBlocks.pair_cols``)."""
+        return (f"diagonal pairs at once on {n} channels, {shipped.num_warps} warps",
+                replace(shipped, pair_cols=n))
+
     shipped = ChunkBlocks.sub_chunk()
     for how, b in [("as shipped", shipped), chunk_blocks(64, 4, 3), chunk_blocks(64, 8, 1),
-                   chunk_blocks(64, 2, 1), chunk_blocks(32, 4, 1),
-                   other_launch_order(shipped)]:
+                   chunk_blocks(64, 2, 1), chunk_blocks(32, 4, 1), other_launch_order(shipped),
+                   *(pairs_at_once(shipped, n) for n in (8, 16, 32))]:
         variant(f"gated sums {how}",
                 lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
                                                          interpret=interpret), q, k, g, beta)
@@ -299,7 +306,9 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     shipped = ChunkBlocks.channel_grads()
     for how, b, p in [(name, b, products) for name, b in (
             chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
-            other_launch_order(shipped))] + [(how, shipped, p) for how, p in other_products]:
+            other_launch_order(shipped), pairs_at_once(shipped, 8), pairs_at_once(shipped, 16),
+            pairs_at_once(replace(shipped, num_warps=8), 16))] + [
+            (how, shipped, p) for how, p in other_products]:
         variant(f"chunk_grads {how}",
                 lambda *a, b=b, p=p: grads_channel.chunk_grads(
                     *a[:5], scale, *a[5:], blocks=b, products=p, interpret=interpret),

@@ -93,7 +93,7 @@ def test_pallas_interpret_kda_norm_in_kernels(monkeypatch, dtype):
     before the kernels."""
     key = ("pallas", Gate.CHANNEL)
     monkeypatch.setitem(IMPLEMENTATIONS, key, dataclasses.replace(
-        IMPLEMENTATIONS[key], normalize_max_k=256, narrow_io=True))
+        IMPLEMENTATIONS[key], normalize_max_k=256, narrow_qk=True))
     normalised = []
     norm = jaxcp.ops.l2_normalize
     monkeypatch.setattr(jaxcp.ops, "l2_normalize", lambda x: normalised.append(x) or norm(x))

@@ -281,6 +281,25 @@ def test_kda_sub_chunks_first_launch_order():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("gates", ["random", "-1e3"])
+def test_kda_diagonal_pairs_at_once(gates):
+    """With the diagonal blocks' pairs all at once on 16 channels at a time
+    (``ChunkBlocks.pair_cols``, [16, 16, 16] tiles), the gated sums and the cotangents are
+    the partner-by-partner kernels' numbers to rounding, finite for gates of -1e3."""
+    at_once = lambda blocks: replace(blocks, pair_cols=16)
+    args = kda_chunks(32, 32, 16, gates)
+    want = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True)
+    got = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True,
+                                   blocks=at_once(ChunkBlocks.sub_chunk()))
+    args, terms, rest = kda_grads_inputs(32, 32, 16, gates)
+    want += pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
+    got += pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True,
+                                      blocks=at_once(ChunkBlocks.channel_grads()))
+    for name, a, b in zip(("A", "attn", "dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert rel_err(a, b) <= 1e-6, name
+
+
 def kda_grads_inputs(C, K, V, gates):
     """Chunk-layout KDA inputs, their terms with the inverse, and random h, v_new, X, dvn,
     do (3 chunks, 2 heads)."""
@@ -464,8 +483,10 @@ def test_implementation_table():
             for gate in Gate] == [False, False, True, False]
     assert implementation("pallas", Gate.SCALAR).normalizes_qk(128)
     assert not implementation("pallas", Gate.SCALAR).normalizes_qk(256)
-    assert implementation("pallas", Gate.SCALAR).io_dtype("bfloat16") == jnp.bfloat16
-    assert implementation("pallas", Gate.CHANNEL).io_dtype("bfloat16") == jnp.float32
+    assert implementation("pallas", Gate.SCALAR).qk_dtype("bfloat16") == jnp.bfloat16
+    assert implementation("pallas", Gate.CHANNEL).qk_dtype("bfloat16") == jnp.float32
+    assert [implementation(b, gate).v_dtype("bfloat16") for b in ("xla", "pallas")
+            for gate in Gate] == [jnp.float32, jnp.float32, jnp.bfloat16, jnp.bfloat16]
     for backend, gate in (("xla", Gate.SCALAR), ("interpret", Gate.CHANNEL)):
         with pytest.raises(ValueError, match="normalize_qk"):
             stages_for(backend, gate, "float32", True)

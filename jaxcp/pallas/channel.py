@@ -291,6 +291,13 @@ class ChannelGates:
         return (self.partner(p) for p in range(SUB_CHUNK))
 
 
+def pair_decays(G):
+    """exp(-|G_l - G_p|) [S, S, n] for the pairs (l, p) of a sub-chunk's rows (l on axis 0,
+    p on axis 1), from G [S, n] on n channels: E_lp where p <= l and E_pl where p >= l, <= 1
+    either way (``Partner.decay`` for every p at once)."""
+    return jnp.exp(-jnp.abs(G[:, None, :] - G[None, :, :]))
+
+
 class Partner(NamedTuple):
     """Row p of the sub-chunk (local index; chunk row first + p) as the partner of the
     sub-chunk's rows l: later [S] (l > p), earlier [S] (l < p), and decay [S, bk] =

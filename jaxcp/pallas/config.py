@@ -67,11 +67,16 @@ class StateBlocks:
 class ChunkBlocks:
     """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages;
     sub_chunks_first: KDA's sub-chunk kernels put the sub-chunk first in their grid, so that
-    the programs of one chunk launch next to each other (``channel.sub_chunk_axis``)."""
+    the programs of one chunk launch next to each other (``channel.sub_chunk_axis``);
+    pair_cols: how KDA's sub-chunk kernels take the pairs within their diagonal block, 0 one
+    partner row at a time (``channel.ChannelGates.partners``), n > 0 all pairs at once on n
+    channels at a time, as [16, 16, n] tiles (``channel.pair_decays``; the backward kernel
+    then walks K in blocks of n columns)."""
     col_block: int = 64
     num_warps: int = 4
     num_stages: int = 3
     sub_chunks_first: bool = False
+    pair_cols: int = 0
 
     @classmethod
     def default(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
@@ -100,6 +105,11 @@ class ChunkBlocks:
     def cols(self, d: int) -> int:
         """Columns per loop step over a width of d."""
         return min(d, self.col_block)
+
+    def pair_block(self, K: int) -> int:
+        """Channels per step of the diagonal pairs at once over K channels; 0: partner by
+        partner."""
+        return min(K, self.pair_cols)
 
     def params(self, interpret: bool) -> dict:
         return _compiler_params(interpret, self.num_warps, self.num_stages)

@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   check_chunk, check_gate_bound, chunk_cumsum, f32, iota,
-                                  lower, sub_chunk_axis, sub_chunk_specs, unit_row_scales,
-                                  with_unit_rows)
+                                  lower, pair_decays, sub_chunk_axis, sub_chunk_specs,
+                                  unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
                                  named, refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -157,12 +157,14 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
     to the S rows of b of dq, dk, dG [S, K] and dbeta [S] in place. Across sub-chunks one
     product per other sub-chunk s ([S, S] blocks of Mq and dA with [S, bk] tiles); within b
     one partner row p at a time, the entries of Mq and dA in its row and column of the
-    diagonal block gathered from the flat matrices, or with a gate bound four products of
-    the diagonal blocks."""
+    diagonal block gathered from the flat matrices; or with ``ChunkBlocks.pair_cols`` = n
+    every pair at once, the diagonal blocks of Mq and dA times [S, S, n] tiles (K walked in
+    blocks of n columns); or with a gate bound four products of the diagonal blocks."""
     r = with_unit_rows(named(_SumsRefs, names, refs))
     C, K = r.k.shape
     S = SUB_CHUNK
-    bk = blocks.cols(K)
+    all_pairs = gate_bound is None and blocks.pair_cols > 0
+    bk = blocks.pair_block(K) if all_pairs else blocks.cols(K)
     dot = dots.plain
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
     own = sc.own
@@ -182,6 +184,20 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
             return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
                     right * dot(mq_block.T, q_own * left),
                     right * dot(da_block.T, k_left * beta_own))
+
+    # without, and with pair_cols: the diagonal block's entries below (the sub-chunk's rows as
+    # the later i) and above the diagonal (as the earlier j), every pair at once
+    elif all_pairs:
+        beta_cols = f32(r.beta[own])[None, :]
+        mq_below = lower(f32(r.mq[own, own]), strict=True)
+        da_below = f32(r.da[own, own])
+        pair_weights = (mq_below, da_below, mq_below.T, da_below.T * beta_cols)
+
+        def diagonal_pairs(gates, q_own, k_own):
+            decays = pair_decays(gates.G_own)
+            k_pairs, q_pairs = k_own[None, :, :] * decays, q_own[None, :, :] * decays
+            return [jnp.sum(m[:, :, None] * x, axis=1)
+                    for m, x in zip(pair_weights, (k_pairs, k_pairs, q_pairs, k_pairs))]
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
@@ -222,11 +238,13 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
             return rq + mq_col * k_p, rk + da_col * k_p, cq + mq_row * q_p, ck + da_row * k_p
 
         acc = (rq * from_first, rk * from_first, cq * to_last, ck * to_last)
-        if gate_bound is None:
+        if gate_bound is not None:
+            acc = [x + y for x, y in zip(acc, diagonal_products(gates, q_own, k_own))]
+        elif all_pairs:
+            acc = [x + y for x, y in zip(acc, diagonal_pairs(gates, q_own, k_own))]
+        else:
             for pt in gates.partners():
                 acc = partner(pt, acc)
-        else:
-            acc = [x + y for x, y in zip(acc, diagonal_products(gates, q_own, k_own))]
         rq, rk, cq, ck = acc
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk

@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   check_chunk, check_gate_bound, chunk_cumsum, diagonal_offset,
-                                  f32, iota, sub_chunk_axis, sub_chunk_specs, unit_row_scales,
-                                  with_unit_rows)
+                                  f32, iota, lower, pair_decays, sub_chunk_axis,
+                                  sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
@@ -93,7 +93,11 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
     lax.fori_loop(0, sc.index + (gate_bound is not None), before, 0)
 
     # the diagonal block (j = i included in attn, decay 1)
-    if gate_bound is None:
+    if gate_bound is None and blocks.pair_cols:
+        a, attn = _diagonal_pairs(r, sc, K, blocks.pair_block(K))
+        r.a[:, sc.own] = beta * a
+        r.attn[:, sc.own] = scale * attn
+    elif gate_bound is None:
         a = attn = jnp.zeros((S, S), jnp.float32)
         for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
             for pt in gt.partners():
@@ -109,6 +113,25 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
         return carry
 
     lax.fori_loop(sc.index + 1, C // S, after, 0)
+
+
+def _diagonal_pairs(r, sc: SubChunk, K: int, n: int):
+    """The diagonal block of sub-chunk sc before beta and scale, [S, S] each:
+    strict_lower(sum_d k_ld k_pd E_lpd) and lower(sum_d q_ld k_pd E_lpd), every pair (l, p)
+    at once on n channels at a time ([S, S, n] tiles, ``pair_decays``)."""
+    S = SUB_CHUNK
+
+    def piece(j, acc):
+        a, attn = acc
+        cols = pl.ds(pl.multiple_of(j * n, n), n)
+        k, q = sc.rows(r.k, cols), sc.rows(r.q, cols)
+        k_pairs = k[None, :, :] * pair_decays(sc.rows(r.G, cols))    # k_pd E_lpd
+        return (a + jnp.sum(k[:, None, :] * k_pairs, axis=2),
+                attn + jnp.sum(q[:, None, :] * k_pairs, axis=2))
+
+    zero = jnp.zeros((S, S), jnp.float32)
+    a, attn = lax.fori_loop(0, K // n, piece, (zero, zero))
+    return lower(a, strict=True), lower(attn, strict=False)
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay",
