@@ -251,10 +251,11 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
     pipeline stages, the sub-chunk kernels' launch order, their diagonal pairs all at once),
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
-    bound; the state recurrences under ``StateBlocks`` and at 3xTF32 or 3xBF16; and the
-    stages that read q, k with the norm in the kernels (normalize_qk) from the raw bf16 q,
-    k, v (raw, chunk layout) in place of the XLA-normalised float32 copies. A variant that
-    cannot compile is reported, not fatal."""
+    bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, and reading
+    float16 tiles (``state_output``'s tile_dtype); and the stages that read q, k with the
+    norm in the kernels (normalize_qk) from the raw bf16 q, k, v (raw, chunk layout) in
+    place of the XLA-normalised float32 copies. A variant that cannot compile is reported,
+    not fatal."""
     from dataclasses import replace
 
     import jax.numpy as jnp
@@ -331,6 +332,18 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
             t, layout, None, h0, False, **o)[0], terms)
         variant(f"state_bwd {how}", lambda t, d, o=other: pstate.state_bwd(
             t, layout, d, None, h0, **o), terms, do)
+    # float16 tiles of w, kd, qg, attn (cast before the timed calls)
+    half = terms._replace(**{name: getattr(terms, name).astype(jnp.float16)
+                             for name in ("w", "kd", "qg", "attn")})
+    for b in (StateBlocks.channel(), StateBlocks()):
+        f16 = dict(kw, blocks=b, tile_dtype=jnp.float16)
+        how = f"with float16 tiles, BV={b.block_cols}"
+        variant(f"state_output {how}", lambda t, o=f16: pstate.state_output(
+            t, layout, None, h0, False, **o)[0], half)
+        variant(f"state_fwd {how}", lambda t, o=f16: pstate.state_fwd(
+            t, layout, None, h0, **o), half)
+        variant(f"state_bwd {how}", lambda t, d, o=f16: pstate.state_bwd(
+            t, layout, d, None, h0, **o), half, do)
     for bv, warps in ((64, 4), (64, 8), (32, 8)):
         b = StateBlocks(block_cols=bv, num_warps=warps)
         variant(f"state_output BV={bv}, {warps} warps", lambda t, b=b: pstate.state_output(

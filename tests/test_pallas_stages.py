@@ -156,6 +156,29 @@ def test_state_bwd(kind, entry_only, device):
         assert_rel(a, b, 1e-5, name)
 
 
+def test_kda_state_kernels_read_float16_tiles():
+    """With tile_dtype float16 the state kernels read w, kd, qg and attn in float16 and
+    compute in float32: the XLA twin's numbers on the terms rounded to float16."""
+    terms, layout, init = chunk_terms("kda", CU, 70)
+    rounded = terms._replace(**{name: getattr(terms, name).astype(jnp.float16)
+                                .astype(jnp.float32) for name in ("w", "kd", "qg", "attn")})
+    rng = np.random.default_rng(4)
+    h0 = jnp.asarray(rng.standard_normal((1, 2, 16, 32)), jnp.float32)
+    do = jnp.asarray(rng.standard_normal(terms.u.shape), jnp.float32)
+    kw = dict(gate=Gate.CHANNEL, interpret=True, tile_dtype=jnp.float16)
+    got = (pstate.state_output(terms, layout, init, h0, True, **kw)
+           + pstate.state_fwd(terms, layout, init, h0, **kw)
+           + pstate.state_bwd(terms, layout, do, None, h0, **kw))
+    want = (xla.state_output(rounded, layout, init, h0, True)
+            + xla.state_fwd(rounded, layout, init, h0)
+            + xla.state_bwd(rounded, layout, do, None, h0))
+    for name, a, b in zip(("o", "finals", "h", "v_new", "last", "d_entry", "d_init", "x",
+                           "dvn"), got, want):
+        if b is not None:
+            assert a.dtype == jnp.float32, name
+            assert_rel(a, b, 1e-5, name)
+
+
 # token layouts of the kernels' tests: T a multiple of C; a last chunk of 6 tokens; packed
 # sequences (chunks that start mid-chunk and end early, one of a single token)
 LAYOUTS = {"even": (64, None), "ragged": (70, None), "packed": (70, [0, 1, 20, 37, 70])}

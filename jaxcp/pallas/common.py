@@ -65,7 +65,10 @@ def dot(a, b, interpret: bool, split: bool = False,
     """a @ b with fp32 accumulation. fp32 x fp32 runs at ``fp32_precision`` (`products`).
     An fp32 operand meeting a bf16 tile is rounded to bf16, or with split taken as two bf16
     parts x = hi + lo (two bf16 products, x kept to ~2^-16 relative; 3xTF32 would cost
-    three TF32 products, each at half the bf16 rate)."""
+    three TF32 products, each at half the bf16 rate). A float16 tile meets an fp32 operand
+    as fp32 (exact): float16 holds the 10-bit mantissa of a TF32 operand."""
+    if jnp.float16 in (a.dtype, b.dtype) and jnp.float32 in (a.dtype, b.dtype):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if a.dtype == b.dtype:
         precision = fp32_precision(interpret, products) if a.dtype == jnp.float32 else None
         return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)

@@ -182,7 +182,7 @@ class _Call(NamedTuple):
 
 
 def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_major: bool,
-           dot_dtype, blocks: StateBlocks | None) -> _Call:
+           dot_dtype, blocks: StateBlocks | None, tile_dtype) -> _Call:
     """The _Call of a kernel over `cols` state columns (token_major: the bare q, k of the
     terms and o or do are [B, T, HV, ...])."""
     NT, B, HV, C, K = terms.w.shape
@@ -198,8 +198,8 @@ def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_
     sp = _specs(NT, C, K, BV, gate, T)
     factored = terms.k_rows is not None
     ins = Operands()
-    ins.add("w", sp.chunk_k, terms.w.astype(dot_dtype))
-    ins.add("kd", sp.token_k if factored else sp.chunk_k, terms.kd.astype(dot_dtype))
+    ins.add("w", sp.chunk_k, terms.w.astype(tile_dtype))
+    ins.add("kd", sp.token_k if factored else sp.chunk_k, terms.kd.astype(tile_dtype))
     ins.add("decay", sp.decay, terms.decay[..., 0] if gate is Gate.SCALAR else terms.decay)
     ins.add("starts", sp.per_chunk, layout.chunk_starts.astype(jnp.int32))
     ins.add("seq", sp.per_chunk, layout.chunk_seq)
@@ -263,23 +263,24 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                  with_output: bool = False, with_finals: bool = False,
                  token_major: bool = False, split_state: bool = False,
                  span: jax.Array | None = None, blocks: StateBlocks | None = None,
-                 products: Fp32Products = Fp32Products.TF32X3, name: str):
+                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None, name: str):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
     bf16 parts each (``common.dot``); span ([B], ``_span_loop``): loop over those chunks
     only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
-    state (``common.Fp32Products``). Returns the outputs by name: h, v_new (store_h), o,
-    finals, last."""
+    state (``common.Fp32Products``); tile_dtype: as in ``state_output``. Returns the
+    outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
-    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks)
+    tile_dtype = tile_dtype or dot_dtype
+    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
     if u_cols:
         ins.add("u", sp.chunk_v, terms.u.astype(dot_dtype))
     if with_output:
-        ins.add("qg", sp.token_k if factored else sp.chunk_k, terms.qg.astype(dot_dtype))
-        ins.add("attn", sp.chunk_cc, terms.attn.astype(dot_dtype))
+        ins.add("qg", sp.token_k if factored else sp.chunk_k, terms.qg.astype(tile_dtype))
+        ins.add("attn", sp.chunk_cc, terms.attn.astype(tile_dtype))
         ins.add("ends", sp.per_chunk, layout.chunk_ends.astype(jnp.int32))
         if factored:
             ins.add("q_rows", sp.rows, terms.q_rows)
@@ -303,7 +304,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
             out.add("finals", sp.seq_state(n_seqs), struct((n_seqs, HV, K, cols), jnp.float32))
         out.add("last", sp.state, struct((B, HV, K, cols), jnp.float32))
 
-    tile_bytes = C * (2 * K + c.BV + (K + C if with_output else 0)) * jnp.dtype(dot_dtype).itemsize
+    tile_bytes = C * ((2 * K + (K + C if with_output else 0)) * jnp.dtype(tile_dtype).itemsize
+                      + c.BV * jnp.dtype(dot_dtype).itemsize)
     return call(_fwd_kernel, (B, HV, cols // c.BV), ins, outs, name=name,
                 params=c.blocks.params(interpret, tile_bytes),
                 aliases={"finals_zeros": "finals"} if with_finals else None, nt=NT,
@@ -313,27 +315,32 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
 
 def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, token_major=False,
                  interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-                 products: Fp32Products = Fp32Products.TF32X3):
+                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
     Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in the dtype of u;
-    finals [N, HV, K, V] or None)."""
+    finals [N, HV, K, V] or None). tile_dtype: the dtype the kernel reads w, kd, qg and attn
+    in (dot_dtype if None; u, the states and v_new stay in dot_dtype). float16 with float32
+    dot_dtype and TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at
+    half the bytes, for terms whose magnitudes fit float16 (``common.dot``)."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                        interpret=interpret, dot_dtype=dot_dtype, with_output=True,
                        with_finals=with_finals, token_major=token_major, blocks=blocks,
-                       products=products, name="state_output")
+                       products=products, tile_dtype=tile_dtype, name="state_output")
     return out["o"], out.get("finals")
 
 
 def state_fwd(terms, layout, init, h0, *, gate: Gate, token_major=False, interpret=False,
               dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-              products: Fp32Products = Fp32Products.TF32X3):
+              products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
     """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last);
-    h and v_new in dot_dtype (they feed only the backward's products)."""
+    h and v_new in dot_dtype (they feed only the backward's products). tile_dtype as in
+    ``state_output``."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=True,
                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                       blocks=blocks, products=products, name="state_fwd")
+                       blocks=blocks, products=products, tile_dtype=tile_dtype,
+                       name="state_fwd")
     return out["h"], out["v_new"], out["last"]
 
 
@@ -344,27 +351,31 @@ def _unless_unused(span: jax.Array, unused: jax.Array | None, nt: int) -> jax.Ar
 
 def state_last(terms, layout, init, h0, *, gate: Gate, unused=None, token_major=False,
                interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-               products: Fp32Products = Fp32Products.TF32X3):
+               products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
     """Twin of xla.state.state_last: the state after the last chunk (the chunks from the last
-    sequence start on are run; none, and a zero state, where unused)."""
+    sequence start on are run; none, and a zero state, where unused). tile_dtype as in
+    ``state_output``."""
     span = _unless_unused(_span_after_last_start(layout), unused, terms.w.shape[0])
     return _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                         interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                        span=span, blocks=blocks, products=products, name="state_last")["last"]
+                        span=span, blocks=blocks, products=products, tile_dtype=tile_dtype,
+                        name="state_last")["last"]
 
 
 def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=False,
                interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-               products: Fp32Products = Fp32Products.TF32X3):
+               products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
     """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). S_ext takes
-    `products`; M, which chains the states of all devices before, stays fp32-accurate: the
-    bf16 tiles meet it (and v_new) as two bf16 parts (``common.dot``), fp32 tiles at 3xTF32.
+    `products` and tile_dtype (``state_output``); M, which chains the states of all devices
+    before, stays fp32-accurate: the tiles in dot_dtype, bf16 ones meeting it (and v_new) as
+    two bf16 parts (``common.dot``), fp32 ones at 3xTF32.
     unused (bool scalar, the last device's summary): no chunk is run and both are zero."""
     NT, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
     ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32), gate=gate,
                      unused=unused, token_major=token_major, interpret=interpret,
-                     dot_dtype=dot_dtype, blocks=blocks, products=products)
+                     dot_dtype=dot_dtype, blocks=blocks, products=products,
+                     tile_dtype=tile_dtype)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
                      token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
@@ -411,18 +422,21 @@ def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products):
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, gate: Gate,
               with_d_init: bool = False, entry_only: bool = False, unused=None,
               token_major: bool = False, interpret: bool = False, dot_dtype=jnp.float32,
-              blocks: StateBlocks | None = None, products: Fp32Products = Fp32Products.TF32X3):
+              blocks: StateBlocks | None = None, products: Fp32Products = Fp32Products.TF32X3,
+              tile_dtype=None):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
     X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
     layout or, with token_major, [B, T, HV, V]. unused (bool scalar, with entry_only: the
-    first device's d_entry): no chunk is run and d_entry is zero."""
+    first device's d_entry): no chunk is run and d_entry is zero. tile_dtype as in
+    ``state_output``."""
     V = do.shape[-1]
-    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks)
+    tile_dtype = tile_dtype or dot_dtype
+    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks, tile_dtype)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
     with_d_init = with_d_init and not entry_only
-    ins.add("qg", sp.token_k if factored else sp.chunk_k, terms.qg.astype(dot_dtype))
-    ins.add("attn", sp.chunk_cc, terms.attn.astype(dot_dtype))
+    ins.add("qg", sp.token_k if factored else sp.chunk_k, terms.qg.astype(tile_dtype))
+    ins.add("attn", sp.chunk_cc, terms.attn.astype(tile_dtype))
     ins.add("do", sp.token_v, do.astype(dot_dtype))
     ins.add("ends", sp.per_chunk, layout.chunk_ends.astype(jnp.int32))
     if factored:
@@ -444,7 +458,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
             out.add("d_init", sp.seq_state(n_seqs), struct((n_seqs, HV, K, V), jnp.float32))
         out.add("d_entry", sp.state, struct((B, HV, K, V), jnp.float32))
 
-    tile_bytes = C * (3 * K + C + c.BV) * jnp.dtype(dot_dtype).itemsize
+    tile_bytes = C * ((3 * K + C) * jnp.dtype(tile_dtype).itemsize
+                      + c.BV * jnp.dtype(dot_dtype).itemsize)
     out = call(_bwd_kernel, (B, HV, V // c.BV), ins, outs,
                name="state_entry_cotangent" if entry_only else "state_bwd",
                params=c.blocks.params(interpret, tile_bytes),
