@@ -59,7 +59,8 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
                      cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
                      dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
                      chunk_size=chunk_size, gate_bound=gate_bound)
-    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v.astype(impl.v_dtype(dot_dtype))), chunk(g),
+    v_in = v.astype(impl.v_dtype(dot_dtype))
+    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v_in), chunk(g),
                                 chunk(f32(beta)), init, layout)
     if final is not None and cp_axis is not None:
         final = lax.psum(final, cp_axis)

@@ -185,8 +185,8 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
                     right * dot(mq_block.T, q_own * left),
                     right * dot(da_block.T, k_left * beta_own))
 
-    # without, and with pair_cols: the diagonal block's entries below (the sub-chunk's rows as
-    # the later i) and above the diagonal (as the earlier j), every pair at once
+    # with pair_cols (no gate bound): the diagonal block's entries below (the sub-chunk's
+    # rows as the later i) and above the diagonal (as the earlier j), every pair at once
     elif all_pairs:
         beta_cols = f32(r.beta[own])[None, :]
         mq_below = lower(f32(r.mq[own, own]), strict=True)
