@@ -54,6 +54,15 @@ def test_chunk_matches_reference_bf16(kind):
     check_against_reference(kind, args, jnp.bfloat16, use_qk_l2norm_in_kernel=True)
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_chunk_float16_inputs(backend):
+    """float16 inputs run the float32 path (KDA's v reaches the Pallas kernels in float32)
+    and o comes back in float16."""
+    args = make_inputs("kda", 1, 40, 1, 1, 16, 16, dtype=jnp.float16, n_states=1)
+    check_against_reference("kda", args, jnp.float16, use_qk_l2norm_in_kernel=True,
+                            backend=backend)
+
+
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_chunk_varlen_matches_reference(kind):
     cu = jnp.asarray([0, 1, 64, 65, 100, 192, 193, 250], jnp.int32)   # 1-token sequences,
