@@ -97,6 +97,8 @@ def main(argv=None) -> int:
             _parser().error(f"--{flag.replace('_', '-')} must be positive")
     if args.K % args.col_block and args.col_block < args.K:
         _parser().error("--col-block must divide --K")
+    if args.pair_cols < 0 or args.pair_cols & (args.pair_cols - 1):
+        _parser().error("--pair-cols must be 0 or a power of two")
     from jaxcp.pallas.channel import MIN_GATE_BOUND, check_gate_bound, unit_row_scales
     try:
         check_gate_bound(args.gate_bound)

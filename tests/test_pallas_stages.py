@@ -323,6 +323,12 @@ def test_kda_diagonal_pairs_at_once(gates):
         assert rel_err(a, b) <= 1e-6, name
 
 
+@pytest.mark.parametrize("pair_cols", [-8, 12])
+def test_pair_cols_must_be_a_power_of_two(pair_cols):
+    with pytest.raises(ValueError, match="pair_cols"):
+        ChunkBlocks(pair_cols=pair_cols)
+
+
 def kda_grads_inputs(C, K, V, gates):
     """Chunk-layout KDA inputs, their terms with the inverse, and random h, v_new, X, dvn,
     do (3 chunks, 2 heads)."""

@@ -78,6 +78,11 @@ class ChunkBlocks:
     sub_chunks_first: bool = False
     pair_cols: int = 0
 
+    def __post_init__(self):
+        n = self.pair_cols
+        if not isinstance(n, int) or n < 0 or n & (n - 1):
+            raise ValueError(f"pair_cols must be 0 or a power of two, got {n!r}")
+
     @classmethod
     def default(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
         """Blocks of 64 columns (at K = 256 whole tiles would not fit in registers)."""

@@ -93,7 +93,7 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
     lax.fori_loop(0, sc.index + (gate_bound is not None), before, 0)
 
     # the diagonal block (j = i included in attn, decay 1)
-    if gate_bound is None and blocks.pair_cols:
+    if gate_bound is None and blocks.pair_cols > 0:
         a, attn = _diagonal_pairs(r, sc, K, blocks.pair_block(K))
         r.a[:, sc.own] = beta * a
         r.attn[:, sc.own] = scale * attn
