@@ -326,32 +326,31 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
         grads_channel.chunk_grads(*a[:5], scale, *a[5:], **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
     kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, **as_shipped)
+
+    def state_variants(how, stage_terms, stages, **options):
+        """Rows "<stage> <how>" of the named state recurrences with options over kw."""
+        o = dict(kw, **options)
+        runs = {"state_output": lambda t: pstate.state_output(t, layout, None, h0, False,
+                                                              **o)[0],
+                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **o),
+                "state_bwd": lambda t, d: pstate.state_bwd(t, layout, d, None, h0, **o)}
+        for stage in stages:
+            args = (stage_terms, do) if stage == "state_bwd" else (stage_terms,)
+            variant(f"{stage} {how}", runs[stage], *args)
+
+    all_three = ("state_output", "state_fwd", "state_bwd")
     for how, p in other_products:
-        other = dict(kw, products=p, blocks=StateBlocks.channel())
-        variant(f"state_output {how}", lambda t, o=other: pstate.state_output(
-            t, layout, None, h0, False, **o)[0], terms)
-        variant(f"state_bwd {how}", lambda t, d, o=other: pstate.state_bwd(
-            t, layout, d, None, h0, **o), terms, do)
+        state_variants(how, terms, ("state_output", "state_bwd"), products=p,
+                       blocks=StateBlocks.channel())
     # float16 tiles of w, kd, qg, attn (cast before the timed calls)
     half = terms._replace(**{name: getattr(terms, name).astype(jnp.float16)
                              for name in ("w", "kd", "qg", "attn")})
     for b in (StateBlocks.channel(), StateBlocks()):
-        f16 = dict(kw, blocks=b, tile_dtype=jnp.float16)
-        how = f"with float16 tiles, BV={b.block_cols}"
-        variant(f"state_output {how}", lambda t, o=f16: pstate.state_output(
-            t, layout, None, h0, False, **o)[0], half)
-        variant(f"state_fwd {how}", lambda t, o=f16: pstate.state_fwd(
-            t, layout, None, h0, **o), half)
-        variant(f"state_bwd {how}", lambda t, d, o=f16: pstate.state_bwd(
-            t, layout, d, None, h0, **o), half, do)
+        state_variants(f"with float16 tiles, BV={b.block_cols}", half, all_three, blocks=b,
+                       tile_dtype=jnp.float16)
     for bv, warps in ((64, 4), (64, 8), (32, 8)):
-        b = StateBlocks(block_cols=bv, num_warps=warps)
-        variant(f"state_output BV={bv}, {warps} warps", lambda t, b=b: pstate.state_output(
-            t, layout, None, h0, False, blocks=b, **kw)[0], terms)
-        variant(f"state_fwd BV={bv}, {warps} warps", lambda t, b=b: pstate.state_fwd(
-            t, layout, None, h0, blocks=b, **kw), terms)
-        variant(f"state_bwd BV={bv}, {warps} warps", lambda t, d, b=b: pstate.state_bwd(
-            t, layout, d, None, h0, blocks=b, **kw), terms, do)
+        state_variants(f"BV={bv}, {warps} warps", terms, all_three,
+                       blocks=StateBlocks(block_cols=bv, num_warps=warps))
 
 
 if __name__ == "__main__":

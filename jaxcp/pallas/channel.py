@@ -83,6 +83,16 @@ def unit_row_scales(q, k, normalize_qk: bool) -> dict:
     return dict(q_rows=l2_row_scales(q), k_rows=l2_row_scales(k))
 
 
+def add_row_scales(ins, spec, q_rows=None, k_rows=None) -> None:
+    """Add the row scales q_rows, k_rows (``unit_row_scales``; both or neither) to a kernel's
+    ``common.Operands`` with BlockSpec spec."""
+    if (q_rows is None) != (k_rows is None):
+        raise ValueError("q_rows, k_rows: give both or neither")
+    if q_rows is not None:
+        ins.add("q_rows", spec, q_rows)
+        ins.add("k_rows", spec, k_rows)
+
+
 def with_unit_rows(r):
     """The kernel refs r (a NamedTuple) with q and k read L2-normalised (``RowScaled``)
     where their row scales q_rows, k_rows are operands."""

@@ -45,9 +45,9 @@ from jax.experimental import pallas as pl
 
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, check_gate_bound, chunk_cumsum, f32, iota,
-                                  lower, pair_decays, sub_chunk_axis, sub_chunk_specs,
-                                  unit_row_scales, with_unit_rows)
+                                  add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
+                                  f32, iota, lower, pair_decays, sub_chunk_axis,
+                                  sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
                                  named, refs_type)
 from jaxcp.pallas.config import ChunkBlocks
@@ -290,8 +290,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                             ("v_new", sp.tile(V), v_new), ("x", state, x),
                             ("dvn", sp.tile(V), dvn)):
         inter.add(name, spec, val)
-    for name, val in rows.items():
-        inter.add(name, sp.vec, val)
+    add_row_scales(inter, sp.vec, **rows)
 
     def inter_outs(out, struct):
         for name in ("dq", "dk", "dw", "dg"):
@@ -336,8 +335,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                             ("dg_in", ss.rows(K), step2["dg"]),
                             ("dbeta_in", ss.rows_vec, step2["dbeta"])):
         sums.add(name, spec, val)
-    for name, val in rows.items():
-        sums.add(name, ss.chunk_vec, val)
+    add_row_scales(sums, ss.chunk_vec, **rows)
 
     def sums_outs(out, struct):
         for name in ("dq", "dk", "dg"):

@@ -41,9 +41,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  check_chunk, check_gate_bound, chunk_cumsum, diagonal_offset,
-                                  f32, iota, lower, pair_decays, sub_chunk_axis,
-                                  sub_chunk_specs, unit_row_scales, with_unit_rows)
+                                  add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
+                                  diagonal_offset, f32, iota, lower, pair_decays,
+                                  sub_chunk_axis, sub_chunk_specs, unit_row_scales,
+                                  with_unit_rows)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
@@ -93,17 +94,16 @@ def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlock
     lax.fori_loop(0, sc.index + (gate_bound is not None), before, 0)
 
     # the diagonal block (j = i included in attn, decay 1)
-    if gate_bound is None and blocks.pair_cols > 0:
-        a, attn = _diagonal_pairs(r, sc, K, blocks.pair_block(K))
-        r.a[:, sc.own] = beta * a
-        r.attn[:, sc.own] = scale * attn
-    elif gate_bound is None:
-        a = attn = jnp.zeros((S, S), jnp.float32)
-        for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
-            for pt in gt.partners():
-                k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
-                a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
-                attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
+    if gate_bound is None:
+        if blocks.pair_cols > 0:
+            a, attn = _diagonal_pairs(r, sc, K, blocks.pair_block(K))
+        else:
+            a = attn = jnp.zeros((S, S), jnp.float32)
+            for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
+                for pt in gt.partners():
+                    k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
+                    a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
+                    attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
         r.a[:, sc.own] = beta * a
         r.attn[:, sc.own] = scale * attn
 
@@ -182,7 +182,7 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     for name, x in (("q", q), ("k", k), ("G", chunk_cumsum(g))):
         ins.add(name, sp.chunk(K), x)
     ins.add("beta", sp.rows_vec, beta)
-    _add_row_scales(ins, sp.chunk_vec, q_rows, k_rows)
+    add_row_scales(ins, sp.chunk_vec, q_rows, k_rows)
 
     def outs(out, struct):
         out.add("a", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
@@ -211,7 +211,7 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
     for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V), ("g", g, K)):
         ins.add(name, sp.tile(d), x)
     ins.add("beta", sp.vec, beta)
-    _add_row_scales(ins, sp.vec, q_rows, k_rows)
+    add_row_scales(ins, sp.vec, q_rows, k_rows)
     if a is not None:
         ins.add("a", sp.tile(C), a)
     else:
@@ -273,10 +273,3 @@ def recompute_terms(q, k, v, g, beta, scale: float, kept, *, normalize_qk: bool 
     return wy_terms(q, k, v, g, beta, scale, inv=inv, **unit_row_scales(q, k, normalize_qk),
                     **kw)._replace(attn=attn)
 
-
-def _add_row_scales(ins: Operands, spec, q_rows, k_rows) -> None:
-    if (q_rows is None) != (k_rows is None):
-        raise ValueError("q_rows, k_rows: give both or neither")
-    if q_rows is not None:
-        ins.add("q_rows", spec, q_rows)
-        ins.add("k_rows", spec, k_rows)
