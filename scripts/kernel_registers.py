@@ -28,9 +28,6 @@ def _parser():
     ap.add_argument("--col-block", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--pair-cols", type=int, default=0,
-                    help="the sub-chunk kernels' diagonal pairs on this many channels at a "
-                         "time (ChunkBlocks.pair_cols; 0: partner by partner)")
     ap.add_argument("--only", default="", help="only kernels whose name contains this")
     ap.add_argument("--gate-bound", type=float, default=None,
                     help="the sub-chunk kernels' gate bound, in [-5, 0) (safe_gate)")
@@ -97,8 +94,6 @@ def main(argv=None) -> int:
             _parser().error(f"--{flag.replace('_', '-')} must be positive")
     if args.K % args.col_block and args.col_block < args.K:
         _parser().error("--col-block must divide --K")
-    if args.pair_cols < 0 or args.pair_cols & (args.pair_cols - 1):
-        _parser().error("--pair-cols must be 0 or a power of two")
     from jaxcp.pallas.channel import MIN_GATE_BOUND, check_gate_bound, unit_row_scales
     try:
         check_gate_bound(args.gate_bound)
@@ -117,7 +112,7 @@ def main(argv=None) -> int:
     from jaxcp.xla.intra import ChunkTerms
 
     blocks = ChunkBlocks(col_block=args.col_block, num_warps=args.warps,
-                         num_stages=args.stages, pair_cols=args.pair_cols)
+                         num_stages=args.stages)
     NT, B, H, C, K = 2, 1, 2, 64, args.K
     spec = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct((NT, B, H) + s, dtype)
     tile, vec, square, state = spec(C, K), spec(C), spec(C, C), spec(K, K)
@@ -128,7 +123,7 @@ def main(argv=None) -> int:
     programs = {
         "forward gated sums": (lambda q, k, g, beta: intra_channel.gated_sums(
             q, k, g, beta, scale, gate_bound=args.gate_bound, precise=False, blocks=blocks,
-            **rows(q, k)), (token, token, tile, token_vec)),
+            diagonal_blocks=blocks, **rows(q, k)), (token, token, tile, token_vec)),
         "forward terms": (lambda q, k, v, g, beta, a: intra_channel.wy_terms(
             q, k, v, g, beta, scale, a=a, precise=False, blocks=blocks, with_inverse=True,
             **rows(q, k)), (token, token, token, tile, token_vec, square)),

@@ -13,7 +13,8 @@ recomputation of w and u from it, the forward state recurrence fused with the ou
 recomputes), the reverse recurrence, and the input cotangents; then the whole op. With
 --variants, rows marked "variant" re-time a stage in another form (not what ships): the
 chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
-state columns per program, warps, pipeline stages). --op kda times KDA's stages instead
+state columns per program, warps, pipeline stages); --variants TEXT times only the
+variant rows whose name contains TEXT. --op kda times KDA's stages instead
 (chunk layout); its --variants re-time the forward gated sums, the cotangent kernels and
 the state recurrences under other launch configurations. --interpret runs the kernels in
 interpret mode (a smoke test on the CPU, with small --T and --H).
@@ -34,7 +35,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cu-seqlens", default=None,
                     help="packed sequences: comma list of offsets from 0 to T")
-    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--variants", nargs="?", const="", default=None, metavar="TEXT",
+                    help="also the variant rows (only those whose name contains TEXT)")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--op", choices=("gdn", "kda"), default="gdn",
                     help="kda: the KDA stages as the op runs them (chunk layout)")
@@ -79,7 +81,7 @@ def main(argv=None):
 
     def timed(name, fn, *xs):
         if name.startswith("variant"):
-            return _timed_variant(rows, args.iters, name, fn, *xs)
+            return _timed_variant(rows, args.iters, args.variants, name, fn, *xs)
         return _timed(rows, args.iters, name, fn, *xs)
 
     raw_q, raw_k = q, k
@@ -110,7 +112,7 @@ def main(argv=None):
                                                         precise=False, blocks=blocks, **pallas)
     timed("chunk_grads", grads, *token_args, terms, h, vn, x, dvn, do)
 
-    if args.variants:
+    if args.variants is not None:
         timed("variant: to_chunks (the padded chunk layout, a gather)", lambda *xs: tuple(
             to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
         # the other side of normalize_max_k: kernels normalising q, k or not
@@ -160,9 +162,11 @@ def _timed(rows, iters, name, fn, *xs):
     return fn(*xs)
 
 
-def _timed_variant(rows, iters, name, fn, *xs):
-    """``_timed`` for a row marked "variant": one that cannot compile is reported, not
-    fatal (None)."""
+def _timed_variant(rows, iters, matching, name, fn, *xs):
+    """``_timed`` for a row marked "variant" whose name contains `matching` (None for the
+    others): one that cannot compile is reported, not fatal (None)."""
+    if matching not in name:
+        return None
     try:
         return _timed(rows, iters, name, fn, *xs)
     except Exception as e:
@@ -231,11 +235,12 @@ def _profile_kda(args, cu):
                          terms, do)
     timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
           *xs, terms, h, vn, x, dvn, do)
-    if args.variants:
-        raw = timed("variant: to_chunks of the raw bf16 q, k, v (no norm)",
-                    lambda *a: tuple(to_chunks(x, tmap, NT, C) for x in a), q, k, v)
-        _kda_variants(partial(_timed_variant, rows, args.iters), xs, raw, terms, h, vn, x, dvn,
-                      do, layout, h0, scale, args.interpret)
+    if args.variants is not None:
+        raw_chunks = lambda *a: tuple(to_chunks(x, tmap, NT, C) for x in a)
+        raw = (timed("variant: to_chunks of the raw bf16 q, k, v (no norm)", raw_chunks, q, k, v)
+               or raw_chunks(q, k, v))
+        _kda_variants(partial(_timed_variant, rows, args.iters, args.variants), xs, raw, terms,
+                      h, vn, x, dvn, do, layout, h0, scale, args.interpret)
     op = partial(jaxcp.chunk_kda, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                  backend=backend)
     timed("op forward", lambda *a: op(*a)[0], q, k, v, g, beta)
@@ -248,8 +253,8 @@ def _profile_kda(args, cu):
 def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, scale,
                   interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
-    gated sums and the cotangent kernels under ``ChunkBlocks`` (columns per block, warps,
-    pipeline stages, the sub-chunk kernels' launch order, their diagonal pairs all at once),
+    gated sums (their two kernels apart) and the cotangent kernels under ``ChunkBlocks``
+    (columns per block, warps, pipeline stages, the sub-chunk kernels' launch order),
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
     bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, and reading
     float16 tiles (``state_output``'s tile_dtype); and the stages that read q, k with the
@@ -278,19 +283,18 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
         return (f"{name} in the grid",
                 replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
 
-    def pairs_at_once(shipped, n):
-        """(row name, blocks) of the shipped blocks with the diagonal block's pairs all at once
-        on n channels at a time (``ChunkBlocks.pair_cols``)."""
-        return (f"diagonal pairs at once on {n} channels, {shipped.num_warps} warps",
-                replace(shipped, pair_cols=n))
-
+    sums = lambda blocks=None, diagonal_blocks=None: lambda *a: intra_channel.gated_sums(
+        *a, scale, precise=False, blocks=blocks, diagonal_blocks=diagonal_blocks,
+        interpret=interpret)
+    variant("gated sums as shipped", sums(), q, k, g, beta)
+    for how, b in [chunk_blocks(*c) for c in ((16, 1, 2), (32, 1, 1), (32, 1, 3), (32, 2, 2),
+                                               (32, 4, 2), (64, 1, 1), (64, 1, 2), (64, 2, 2),
+                                               (128, 1, 1))]:
+        variant(f"gated sums across sub-chunks {how}", sums(blocks=b), q, k, g, beta)
     shipped = ChunkBlocks.sub_chunk()
-    for how, b in [("as shipped", shipped), chunk_blocks(64, 4, 3), chunk_blocks(64, 8, 1),
-                   chunk_blocks(64, 2, 1), chunk_blocks(32, 4, 1), other_launch_order(shipped),
-                   *(pairs_at_once(shipped, n) for n in (8, 16, 32))]:
-        variant(f"gated sums {how}",
-                lambda *a, b=b: intra_channel.gated_sums(*a, scale, precise=False, blocks=b,
-                                                         interpret=interpret), q, k, g, beta)
+    for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (32, 4, 1), (32, 2, 1), (128, 8, 1),
+                                               (64, 4, 2))] + [other_launch_order(shipped)]:
+        variant(f"gated sums diagonal {how}", sums(diagonal_blocks=b), q, k, g, beta)
     # the gate bound of safe_gate (lower_bound -5), on the gates clipped to it
     bounded = jnp.maximum(g, -5.0)
     variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(
@@ -307,8 +311,7 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     shipped = ChunkBlocks.channel_grads()
     for how, b, p in [(name, b, products) for name, b in (
             chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
-            other_launch_order(shipped), pairs_at_once(shipped, 8), pairs_at_once(shipped, 16),
-            pairs_at_once(replace(shipped, num_warps=8), 16))] + [
+            other_launch_order(shipped))] + [
             (how, shipped, p) for how, p in other_products]:
         variant(f"chunk_grads {how}",
                 lambda *a, b=b, p=p: grads_channel.chunk_grads(

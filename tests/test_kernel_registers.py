@@ -8,9 +8,7 @@ import pytest
 
 @pytest.mark.parametrize("argv, message", [(["--K", "0"], "--K must be positive"),
                                            (["--K", "96"], "--col-block must divide --K"),
-                                           (["--gate-bound=-6"], "--gate-bound must be in [-5, 0)"),
-                                           (["--pair-cols", "12"],
-                                            "--pair-cols must be 0 or a power of two")])
+                                           (["--gate-bound=-6"], "--gate-bound must be in [-5, 0)")])
 def test_kernel_registers_script_rejects_bad_flags(argv, message):
     """scripts/kernel_registers.py: one line on stderr, exit code 2."""
     out = subprocess.run([sys.executable, "scripts/kernel_registers.py", *argv],

@@ -304,31 +304,6 @@ def test_kda_sub_chunks_first_launch_order():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("gates", ["random", "-1e3"])
-def test_kda_diagonal_pairs_at_once(gates):
-    """With the diagonal blocks' pairs all at once on 16 channels at a time
-    (``ChunkBlocks.pair_cols``, [16, 16, 16] tiles), the gated sums and the cotangents are
-    the partner-by-partner kernels' numbers to rounding, finite for gates of -1e3."""
-    at_once = lambda blocks: replace(blocks, pair_cols=16)
-    args = kda_chunks(32, 32, 16, gates)
-    want = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True)
-    got = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True,
-                                   blocks=at_once(ChunkBlocks.sub_chunk()))
-    args, terms, rest = kda_grads_inputs(32, 32, 16, gates)
-    want += pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
-    got += pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True,
-                                      blocks=at_once(ChunkBlocks.channel_grads()))
-    for name, a, b in zip(("A", "attn", "dq", "dk", "dv", "dg", "dbeta"), got, want):
-        assert bool(jnp.all(jnp.isfinite(a))), name
-        assert rel_err(a, b) <= 1e-6, name
-
-
-@pytest.mark.parametrize("pair_cols", [-8, 12])
-def test_pair_cols_must_be_a_power_of_two(pair_cols):
-    with pytest.raises(ValueError, match="pair_cols"):
-        ChunkBlocks(pair_cols=pair_cols)
-
-
 def kda_grads_inputs(C, K, V, gates):
     """Chunk-layout KDA inputs, their terms with the inverse, and random h, v_new, X, dvn,
     do (3 chunks, 2 heads)."""

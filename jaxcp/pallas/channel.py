@@ -131,6 +131,17 @@ def diagonal_offset(gate_bound: float) -> float:
     return 0.5 * (SUB_CHUNK - 1) * gate_bound
 
 
+def diagonal_factors(G_own, G_first, gate_bound: float, from_first=None):
+    """exp(G_l - G_r) / shift and exp(G_r - G_l) shift [S, bk] on a sub-chunk's rows l
+    (G_own [S, bk], G_first = G_r [1, bk] on its first row r; from_first: exp(G_l - G_r)
+    if already taken), shift = exp(``diagonal_offset``): E_lp is the first at l times the
+    second at p, for p <= l. Only under a gate bound."""
+    shift = math.exp(diagonal_offset(gate_bound))
+    if from_first is None:
+        from_first = jnp.exp(G_own - G_first)
+    return from_first / shift, jnp.exp(G_first - G_own) * shift
+
+
 def check_chunk(C: int) -> None:
     if C % SUB_CHUNK:
         raise ValueError(f"chunk_size must be a multiple of {SUB_CHUNK} for the Pallas KDA "
@@ -282,11 +293,8 @@ class ChannelGates:
         return jnp.exp(f32(self.G_ref[SubChunk.of(s), self.cols]) - self.G_last)
 
     def diagonal_factors(self, gate_bound: float):
-        """exp(G_l - G_r) / shift and exp(G_r - G_l) shift [S, bk] on the sub-chunk's rows
-        l, shift = exp(``diagonal_offset``): E_lp is the first at l times the second at p,
-        for p <= l. Only under a gate bound."""
-        shift = math.exp(diagonal_offset(gate_bound))
-        return self.from_first / shift, jnp.exp(self.G_first - self.G_own) * shift
+        """``diagonal_factors`` of this sub-chunk. Only under a gate bound."""
+        return diagonal_factors(self.G_own, self.G_first, gate_bound, self.from_first)
 
     def partner(self, p: int):
         """Row p of the sub-chunk as the partner of its rows l (``Partner``)."""
@@ -299,13 +307,6 @@ class ChannelGates:
         """The S rows p of the sub-chunk as partners of its rows l, in order (unrolled: the
         steps are independent, and their loads can be issued together)."""
         return (self.partner(p) for p in range(SUB_CHUNK))
-
-
-def pair_decays(G):
-    """exp(-|G_l - G_p|) [S, S, n] for the pairs (l, p) of a sub-chunk's rows (l on axis 0,
-    p on axis 1), from G [S, n] on n channels: E_lp where p <= l and E_pl where p >= l, <= 1
-    either way (``Partner.decay`` for every p at once)."""
-    return jnp.exp(-jnp.abs(G[:, None, :] - G[None, :, :]))
 
 
 class Partner(NamedTuple):

@@ -67,21 +67,11 @@ class StateBlocks:
 class ChunkBlocks:
     """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages;
     sub_chunks_first: KDA's sub-chunk kernels put the sub-chunk first in their grid, so that
-    the programs of one chunk launch next to each other (``channel.sub_chunk_axis``);
-    pair_cols: how KDA's sub-chunk kernels take the pairs within their diagonal block, 0 one
-    partner row at a time (``channel.ChannelGates.partners``), n > 0 all pairs at once on n
-    channels at a time, as [16, 16, n] tiles (``channel.pair_decays``; the backward kernel
-    then walks K in blocks of n columns)."""
+    the programs of one chunk launch next to each other (``channel.sub_chunk_axis``)."""
     col_block: int = 64
     num_warps: int = 4
     num_stages: int = 3
     sub_chunks_first: bool = False
-    pair_cols: int = 0
-
-    def __post_init__(self):
-        n = self.pair_cols
-        if not isinstance(n, int) or n < 0 or n & (n - 1):
-            raise ValueError(f"pair_cols must be 0 or a power of two, got {n!r}")
 
     @classmethod
     def default(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
@@ -101,20 +91,19 @@ class ChunkBlocks:
         return cls(num_stages=2, sub_chunks_first=True)
 
     @classmethod
+    def across_sub_chunks(cls) -> "ChunkBlocks":
+        """KDA's forward gated sums across sub-chunks (``kda_gated_sums``)."""
+        return cls(col_block=32, num_warps=1, num_stages=2)
+
+    @classmethod
     def sub_chunk(cls) -> "ChunkBlocks":
-        """KDA's forward gated sums (``kda_gated_sums``): one pipeline stage. Measured on
-        the H100 at T = 32768, H = 64, K = 128: 8.7 ms against 10.9 with three; two or one
-        warps, or blocks of 32 columns, took 15 to 37 ms."""
+        """KDA's forward gated sums in the diagonal blocks (``kda_diagonal_sums``): one
+        pipeline stage."""
         return cls(num_stages=1)
 
     def cols(self, d: int) -> int:
         """Columns per loop step over a width of d."""
         return min(d, self.col_block)
-
-    def pair_block(self, K: int) -> int:
-        """Channels per step of the diagonal pairs at once over K channels; 0: partner by
-        partner."""
-        return min(K, self.pair_cols)
 
     def params(self, interpret: bool) -> dict:
         return _compiler_params(interpret, self.num_warps, self.num_stages)

@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
-                                  f32, iota, lower, pair_decays, sub_chunk_axis,
+                                  f32, iota, lower, sub_chunk_axis,
                                   sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
                                  named, refs_type)
@@ -157,14 +157,12 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
     to the S rows of b of dq, dk, dG [S, K] and dbeta [S] in place. Across sub-chunks one
     product per other sub-chunk s ([S, S] blocks of Mq and dA with [S, bk] tiles); within b
     one partner row p at a time, the entries of Mq and dA in its row and column of the
-    diagonal block gathered from the flat matrices; or with ``ChunkBlocks.pair_cols`` = n
-    every pair at once, the diagonal blocks of Mq and dA times [S, S, n] tiles (K walked in
-    blocks of n columns); or with a gate bound four products of the diagonal blocks."""
+    diagonal block gathered from the flat matrices; or with a gate bound four products of
+    the diagonal blocks."""
     r = with_unit_rows(named(_SumsRefs, names, refs))
     C, K = r.k.shape
     S = SUB_CHUNK
-    all_pairs = gate_bound is None and blocks.pair_cols > 0
-    bk = blocks.pair_block(K) if all_pairs else blocks.cols(K)
+    bk = blocks.cols(K)
     dot = dots.plain
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
     own = sc.own
@@ -184,20 +182,6 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
             return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
                     right * dot(mq_block.T, q_own * left),
                     right * dot(da_block.T, k_left * beta_own))
-
-    # with pair_cols (no gate bound): the diagonal block's entries below (the sub-chunk's
-    # rows as the later i) and above the diagonal (as the earlier j), every pair at once
-    elif all_pairs:
-        beta_cols = f32(r.beta[own])[None, :]
-        mq_below = lower(f32(r.mq[own, own]), strict=True)
-        da_below = f32(r.da[own, own])
-        pair_weights = (mq_below, da_below, mq_below.T, da_below.T * beta_cols)
-
-        def diagonal_pairs(gates, q_own, k_own):
-            decays = pair_decays(gates.G_own)
-            k_pairs, q_pairs = k_own[None, :, :] * decays, q_own[None, :, :] * decays
-            return [jnp.sum(m[:, :, None] * x, axis=1)
-                    for m, x in zip(pair_weights, (k_pairs, k_pairs, q_pairs, k_pairs))]
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
@@ -240,8 +224,6 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
         acc = (rq * from_first, rk * from_first, cq * to_last, ck * to_last)
         if gate_bound is not None:
             acc = [x + y for x, y in zip(acc, diagonal_products(gates, q_own, k_own))]
-        elif all_pairs:
-            acc = [x + y for x, y in zip(acc, diagonal_pairs(gates, q_own, k_own))]
         else:
             for pt in gates.partners():
                 acc = partner(pt, acc)

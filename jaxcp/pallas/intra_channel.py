@@ -1,7 +1,8 @@
-"""Pallas (Triton-lowered) intra-chunk terms of KDA: two kernels, the gated sums A and attn
-(``gated_sums``, one program per (chunk, batch, head, sub-chunk of 16 rows)), then
+"""Pallas (Triton-lowered) intra-chunk terms of KDA: the gated sums A and attn
+(``gated_sums``: their blocks across sub-chunks, one program per (chunk, batch, head), then
+their diagonal blocks, one program per (chunk, batch, head, sub-chunk of 16 rows)), then
 T = (I + A)^-1 and the tiles of the state recurrences (``wy_terms``, one program per
-(chunk, batch, head)). The backward reruns only the second, from the T the forward kept.
+(chunk, batch, head)). The backward reruns only the last, from the T the forward kept.
 
 Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``), in the
 chunk layout: q, k [NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, K] (natural-log
@@ -42,96 +43,88 @@ from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
-                                  diagonal_offset, f32, iota, lower, pair_decays,
-                                  sub_chunk_axis, sub_chunk_specs, unit_row_scales,
-                                  with_unit_rows)
+                                  diagonal_factors, f32, lower, sub_chunk_axis,
+                                  sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.xla.intra import ChunkTerms
 
-_SumsRefs = refs_type("_SumsRefs", "q k G beta a attn", "q_rows k_rows")
+_AcrossRefs = refs_type("_AcrossRefs", "q k G beta a attn", "q_rows k_rows")
 
 
-def _sums_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlocks):
-    """From q, k, G [C, K] and beta [S] of one (chunk, head), the S rows of sub-chunk b
-    of A = strict_lower(beta_i sum_d k_id k_jd E_ijd) and attn = scale lower(sum_d q_id
-    k_jd E_ijd), [S, C] each, written as [S, S] blocks: one per sub-chunk before b, the
-    diagonal block, zeros after."""
-    r = with_unit_rows(named(_SumsRefs, names, refs))
+def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlocks):
+    """From q, k, G [C, K] and beta [C] of one (chunk, head), A = strict_lower(beta_i sum_d
+    k_id k_jd E_ijd) and attn = scale lower(sum_d q_id k_jd E_ijd) [C, C] as [S, S] blocks:
+    the blocks (i, j) across sub-chunks, j before i, each one product per block of bk
+    channels, (x_i exp(G_i - G_r)) (k_j exp(G_r - G_j))^T with r the first row of i; zeros
+    above the diagonal; and with a gate bound the diagonal blocks as products too
+    (``channel.diagonal_factors``), which ``_diagonal_kernel`` writes otherwise. The
+    [S, bk] tiles of every sub-chunk are loaded once per block of channels."""
+    r = with_unit_rows(named(_AcrossRefs, names, refs))
     C, K = r.k.shape
+    S, n = SUB_CHUNK, C // SUB_CHUNK
+    bk = blocks.cols(K)
+    with_diagonal = gate_bound is not None
+    pairs = [(i, j) for i in range(n) for j in range(i + with_diagonal)]
+    rows = lambda s, count=S: pl.ds(s * S, count)
+
+    def key_block(c, acc):
+        cols = pl.ds(pl.multiple_of(c * bk, bk), bk)
+        G = [f32(r.G[rows(s), cols]) for s in range(n)]
+        k = [f32(r.k[rows(s), cols]) for s in range(n)]
+        acc = list(acc)
+        for i in range(n):
+            G_first = f32(r.G[rows(i, 1), cols])
+            from_first = jnp.exp(G[i] - G_first)
+            q_i = f32(r.q[rows(i), cols])
+            for j in range(i + with_diagonal):
+                if j < i:
+                    left, right = from_first, jnp.exp(G_first - G[j])
+                else:
+                    left, right = diagonal_factors(G[i], G_first, gate_bound, from_first)
+                k_j = k[j] * right
+                at = 2 * pairs.index((i, j))
+                acc[at] = acc[at] + dots.plain(k[i] * left, k_j.T)
+                acc[at + 1] = acc[at + 1] + dots.plain(q_i * left, k_j.T)
+        return tuple(acc)
+
+    zero = jnp.zeros((S, S), jnp.float32)
+    acc = lax.fori_loop(0, K // bk, key_block, (zero,) * (2 * len(pairs)))
+    for at, (i, j) in enumerate(pairs):
+        a, attn = acc[2 * at], acc[2 * at + 1]
+        if i == j:    # the diagonal block's upper part is not a decay
+            a, attn = lower(a, strict=True), lower(attn, strict=False)
+        r.a[rows(i), rows(j)] = f32(r.beta[rows(i)])[:, None] * a
+        r.attn[rows(i), rows(j)] = scale * attn
+    for i in range(n):
+        for j in range(i + 1, n):
+            r.a[rows(i), rows(j)] = zero
+            r.attn[rows(i), rows(j)] = zero
+
+
+_DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta a_in attn_in a attn", "q_rows k_rows")
+
+
+def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
+    """The diagonal block of sub-chunk b of one (chunk, head) in A and attn (as in
+    ``_across_kernel``), written in place into a, attn [S, C] (the sub-chunk's rows): pair
+    by pair, one partner row p of b at a time (``ChannelGates.partners``), K in blocks of
+    bk channels."""
+    r = with_unit_rows(named(_DiagonalRefs, names, refs))
+    K = r.k.shape[1]
     S = SUB_CHUNK
     bk = blocks.cols(K)
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
-    beta = f32(r.beta[...])[:, None]
-    key_blocks = [pl.ds(j * bk, bk) for j in range(K // bk)]
-    gates = [ChannelGates(r.G, cols, sc) for cols in key_blocks]
-    # the sub-chunk's rows and their factors exp(G_i - G_r), for every block of channels
-    k_own = [sc.rows(r.k, cols) for cols in key_blocks]
-    q_own = [sc.rows(r.q, cols) for cols in key_blocks]
-    left = [gt.from_first for gt in gates]
-
-    def before(s, carry):
-        if gate_bound is not None:
-            # s = b: the diagonal block, its factors moved to the middle of their span
-            # (``ChannelGates.diagonal_factors``); 1 for the sub-chunks before b
-            shift = jnp.exp(diagonal_offset(gate_bound) * (s == sc.index).astype(jnp.float32))
-        a = attn = jnp.zeros((S, S), jnp.float32)
-        for cols, gt, k, q, lf in zip(key_blocks, gates, k_own, q_own, left):
-            k_s = f32(r.k[SubChunk.of(s), cols]) * gt.before(s)
-            if gate_bound is not None:
-                k_s, lf = k_s * shift, lf / shift
-            a = a + dots.plain(k * lf, k_s.T)
-            attn = attn + dots.plain(q * lf, k_s.T)
-        if gate_bound is not None:    # the diagonal block's upper part is not a decay
-            off_diagonal = (s != sc.index).astype(jnp.int32)
-            rows, cols = iota((S, S), 0) + off_diagonal * S, iota((S, S), 1)
-            a, attn = jnp.where(rows > cols, a, 0.0), jnp.where(rows >= cols, attn, 0.0)
-        r.a[:, SubChunk.of(s)] = beta * a
-        r.attn[:, SubChunk.of(s)] = scale * attn
-        return carry
-
-    lax.fori_loop(0, sc.index + (gate_bound is not None), before, 0)
-
-    # the diagonal block (j = i included in attn, decay 1)
-    if gate_bound is None:
-        if blocks.pair_cols > 0:
-            a, attn = _diagonal_pairs(r, sc, K, blocks.pair_block(K))
-        else:
-            a = attn = jnp.zeros((S, S), jnp.float32)
-            for cols, gt, k, q in zip(key_blocks, gates, k_own, q_own):
-                for pt in gt.partners():
-                    k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
-                    a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
-                    attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
-        r.a[:, sc.own] = beta * a
-        r.attn[:, sc.own] = scale * attn
-
-    def after(s, carry):
-        r.a[:, SubChunk.of(s)] = jnp.zeros((S, S), r.a.dtype)
-        r.attn[:, SubChunk.of(s)] = jnp.zeros((S, S), r.attn.dtype)
-        return carry
-
-    lax.fori_loop(sc.index + 1, C // S, after, 0)
-
-
-def _diagonal_pairs(r, sc: SubChunk, K: int, n: int):
-    """The diagonal block of sub-chunk sc before beta and scale, [S, S] each:
-    strict_lower(sum_d k_ld k_pd E_lpd) and lower(sum_d q_ld k_pd E_lpd), every pair (l, p)
-    at once on n channels at a time ([S, S, n] tiles, ``pair_decays``)."""
-    S = SUB_CHUNK
-
-    def piece(j, acc):
-        a, attn = acc
-        cols = pl.ds(pl.multiple_of(j * n, n), n)
+    a = attn = jnp.zeros((S, S), jnp.float32)
+    for cols in (pl.ds(j * bk, bk) for j in range(K // bk)):
         k, q = sc.rows(r.k, cols), sc.rows(r.q, cols)
-        k_pairs = k[None, :, :] * pair_decays(sc.rows(r.G, cols))    # k_pd E_lpd
-        return (a + jnp.sum(k[:, None, :] * k_pairs, axis=2),
-                attn + jnp.sum(q[:, None, :] * k_pairs, axis=2))
-
-    zero = jnp.zeros((S, S), jnp.float32)
-    a, attn = lax.fori_loop(0, K // n, piece, (zero, zero))
-    return lower(a, strict=True), lower(attn, strict=False)
+        for pt in ChannelGates(r.G, cols, sc).partners():
+            k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
+            a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
+            attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
+    r.a[:, sc.own] = f32(r.beta[...])[:, None] * a
+    r.attn[:, sc.own] = scale * attn
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay",
@@ -166,31 +159,53 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
 
 def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
                q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
-               blocks: ChunkBlocks | None = None):
+               blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None):
     """(A, attn) [NT, B, HV, C, C] float32: A = strict_lower(beta_i sum_d k_id k_jd
     exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
-    cumsum of g (module docstring), one program per (chunk, batch, head, sub-chunk of 16
-    rows). q_rows, k_rows [NT, B, HV, C] (both or neither): the rows of q, k are taken
-    times them (``channel.RowScaled``). Shapes, gate_bound and precise as in
+    cumsum of g (module docstring): the blocks across sub-chunks by ``kda_gated_sums``
+    (one program per (chunk, batch, head); launch configuration blocks,
+    ``ChunkBlocks.across_sub_chunks`` if None), then the diagonal blocks in place by
+    ``kda_diagonal_sums`` (one program per (chunk, batch, head, sub-chunk of 16 rows);
+    diagonal_blocks, ``ChunkBlocks.sub_chunk`` if None), or under a gate bound by the
+    first kernel too. q_rows, k_rows [NT, B, HV, C] (both or neither): the rows of q, k are
+    taken times them (``channel.RowScaled``). Shapes, gate_bound and precise as in
     ``intra_chunk``."""
     check_gate_bound(gate_bound)
     NT, B, HV, C, K = k.shape
     check_chunk(C)
-    blocks = blocks or ChunkBlocks.sub_chunk()
-    sp = sub_chunk_specs(NT, B, HV, C, blocks.sub_chunks_first)
+    G = chunk_cumsum(g)
+    sp = chunk_specs(C, C)
     ins = Operands()
-    for name, x in (("q", q), ("k", k), ("G", chunk_cumsum(g))):
-        ins.add(name, sp.chunk(K), x)
-    ins.add("beta", sp.rows_vec, beta)
-    add_row_scales(ins, sp.chunk_vec, q_rows, k_rows)
+    for name, x in (("q", q), ("k", k), ("G", G)):
+        ins.add(name, sp.tile(K), x)
+    ins.add("beta", sp.vec, beta)
+    add_row_scales(ins, sp.vec, q_rows, k_rows)
 
-    def outs(out, struct):
-        out.add("a", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
-        out.add("attn", sp.rows(C), struct((NT, B, HV, C, C), jnp.float32))
+    def outs(spec):
+        def add(out, struct):
+            out.add("a", spec, struct((NT, B, HV, C, C), jnp.float32))
+            out.add("attn", spec, struct((NT, B, HV, C, C), jnp.float32))
+        return add
 
-    res, _ = call(_sums_kernel, sp.grid, ins, outs, name="kda_gated_sums",
+    blocks = blocks or ChunkBlocks.across_sub_chunks()
+    res, _ = call(_across_kernel, (NT, B, HV), ins, outs(sp.tile(C)), name="kda_gated_sums",
                   params=blocks.params(interpret), scale=scale, gate_bound=gate_bound,
                   dots=make_dots(precise, interpret), blocks=blocks)
+    if gate_bound is not None:
+        return res["a"], res["attn"]
+    diagonal_blocks = diagonal_blocks or ChunkBlocks.sub_chunk()
+    ssp = sub_chunk_specs(NT, B, HV, C, diagonal_blocks.sub_chunks_first)
+    ins = Operands()
+    for name, x in (("q", q), ("k", k), ("G", G)):
+        ins.add(name, ssp.chunk(K), x)
+    ins.add("beta", ssp.rows_vec, beta)
+    ins.add("a_in", ssp.rows(C), res["a"])
+    ins.add("attn_in", ssp.rows(C), res["attn"])
+    add_row_scales(ins, ssp.chunk_vec, q_rows, k_rows)
+    res, _ = call(_diagonal_kernel, ssp.grid, ins, outs(ssp.rows(C)),
+                  name="kda_diagonal_sums", params=diagonal_blocks.params(interpret),
+                  aliases={"a_in": "a", "attn_in": "attn"}, scale=scale,
+                  blocks=diagonal_blocks)
     return res["a"], res["attn"]
 
 
@@ -238,8 +253,7 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
                 gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precise: bool = True,
-                blocks: ChunkBlocks | None = None,
-                sub_chunk_blocks: ChunkBlocks | None = None) -> ChunkTerms:
+                blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
     [NT, B, HV, C], chunk layout, C a multiple of 16. gate_bound: None (any g <= 0), or a
@@ -249,11 +263,10 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
     L2-normalised rows (the kernels scale the rows as they read them; ``l2_row_scales``
     by XLA). The terms are float32, as the jnp twin's. blocks: the launch
-    configuration of ``wy_terms`` (``ChunkBlocks.default`` if None), sub_chunk_blocks that
-    of ``gated_sums`` (``ChunkBlocks.sub_chunk`` if None)."""
+    configuration of ``wy_terms`` (``ChunkBlocks.default`` if None); ``gated_sums`` runs
+    with its own."""
     kw = dict(interpret=interpret, precise=precise, **unit_row_scales(q, k, normalize_qk))
-    a, attn = gated_sums(q, k, g, beta, scale, gate_bound=gate_bound, blocks=sub_chunk_blocks,
-                         **kw)
+    a, attn = gated_sums(q, k, g, beta, scale, gate_bound=gate_bound, **kw)
     terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, blocks=blocks,
                      **kw)
     return terms._replace(attn=attn)
