@@ -308,15 +308,18 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     variant("chunk_grads with gate bound -5", lambda *a: grads_channel.chunk_grads(
         *a[:5], scale, *a[5:], gate_bound=-5.0, **as_shipped),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
-    shipped = ChunkBlocks.channel_grads()
-    for how, b, p in [(name, b, products) for name, b in (
-            chunk_blocks(64, 4, 1), chunk_blocks(64, 8, 2), chunk_blocks(32, 4, 2),
-            other_launch_order(shipped))] + [
-            (how, shipped, p) for how, p in other_products]:
-        variant(f"chunk_grads {how}",
-                lambda *a, b=b, p=p: grads_channel.chunk_grads(
-                    *a[:5], scale, *a[5:], blocks=b, products=p, interpret=interpret),
-                *xs, terms, h, vn, x, dvn, do)
+    grads = lambda blocks=None, across_blocks=None, p=products: lambda *a: (
+        grads_channel.chunk_grads(*a[:5], scale, *a[5:], blocks=blocks,
+                                  across_blocks=across_blocks, products=p,
+                                  interpret=interpret))
+    grads_inputs = (*xs, terms, h, vn, x, dvn, do)
+    for how, b in [chunk_blocks(*c) for c in ((32, 2, 2), (32, 4, 2), (64, 4, 1), (64, 4, 2),
+                                               (64, 8, 2), (128, 4, 2), (128, 8, 1))]:
+        variant(f"chunk_grads across sub-chunks {how}", grads(across_blocks=b), *grads_inputs)
+    for how, b in [chunk_blocks(64, 4, 1), other_launch_order(ChunkBlocks.channel_grads())]:
+        variant(f"chunk_grads {how}", grads(blocks=b), *grads_inputs)
+    for how, p in other_products:
+        variant(f"chunk_grads {how}", grads(p=p), *grads_inputs)
     # the norm in the kernels: raw bf16 q, k, v in chunk layout, q, k normalised as read
     normed_kw = dict(normalize_qk=True, interpret=interpret)
     raw_xs = (*raw, *xs[3:])

@@ -147,19 +147,79 @@ def _wy_kernel(*refs, names, dots, blocks):
     r.da[...] = lower(da, strict=True)
 
 
-_SumsRefs = refs_type("_SumsRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in dg_in "
-                                    "dbeta_in dq dk dg dbeta", "q_rows k_rows")
+_AcrossRefs = refs_type("_AcrossRefs", "q k G beta mq da dq_in dk_in dg_in dbeta_in dq dk dg "
+                                        "dbeta", "q_rows k_rows")
 
 
-def _sums_kernel(*refs, names, gate_bound, dots, blocks):
-    """Step 3 of the module docstring for sub-chunk b of one (chunk, head): from q, k, G
+def _across_kernel(*refs, names, dots, blocks):
+    """Step 3 of the module docstring across sub-chunks, for one (chunk, head): from q, k,
+    G [C, K], beta [C], Mq, dA [C, C], adds the gated sums over the pairs (l, p) in
+    different sub-chunks to dq, dk, dG [C, K] and dbeta [C] in place. For sub-chunks j
+    before i, with r the first row of i, the decays of the block (i, j) factor as
+    E_lp = left_l right_p, left = exp(G_i - G_r) on the rows of i and right = exp(G_r - G_j)
+    on the rows of j (both <= 1), one pair of [S, bk] factors shared by the row sums of i
+    and the column sums of j:
+
+        Rq_i += left o sum_j Mq_ij (k_j o right),   R_i += left o sum_j dA_ij (k_j o right)
+        Cq_j += right o Mq_ij^T (q_i o left),      Q_j += right o dA_ij^T (beta_i k_i o left)
+
+    The sub-chunks are taken last to first, so that the sums of each are complete when its
+    own row sums are."""
+    r = with_unit_rows(named(_AcrossRefs, names, refs))
+    C, K = r.k.shape
+    S, n = SUB_CHUNK, C // SUB_CHUNK
+    bk = blocks.cols(K)
+    dot = dots.plain
+    rows = lambda s, count=S: pl.ds(s * S, count)
+    beta = [f32(r.beta[rows(s)])[:, None] for s in range(n)]
+
+    def key_block(c, dbeta):
+        cols = pl.ds(pl.multiple_of(c * bk, bk), bk)
+        G = lambda s: f32(r.G[rows(s), cols])
+        k = lambda s: f32(r.k[rows(s), cols])
+        zero = jnp.zeros((S, bk), jnp.float32)
+        cq, ck, dbeta = [zero] * n, [zero] * n, list(dbeta)
+        for i in reversed(range(n)):
+            q, k_i = f32(r.q[rows(i), cols]), k(i)
+            rq = rk = zero
+            if i > 0:
+                G_first = f32(r.G[rows(i, 1), cols])
+                left = jnp.exp(G(i) - G_first)
+                q_left, k_left = q * left, beta[i] * k_i * left
+                for j in range(i):
+                    right = jnp.exp(G_first - G(j))
+                    k_right = k(j) * right
+                    mq, da = f32(r.mq[rows(i), rows(j)]), f32(r.da[rows(i), rows(j)])
+                    rq, rk = rq + dot(mq, k_right), rk + dot(da, k_right)
+                    cq[j] = cq[j] + right * dot(mq.T, q_left)
+                    ck[j] = ck[j] + right * dot(da.T, k_left)
+                rq, rk = left * rq, left * rk
+            cols_sum = cq[i] + ck[i]
+            r.dq[rows(i), cols] = f32(r.dq_in[rows(i), cols]) + rq
+            r.dk[rows(i), cols] = f32(r.dk_in[rows(i), cols]) + beta[i] * rk + cols_sum
+            r.dg[rows(i), cols] = (f32(r.dg_in[rows(i), cols]) + q * rq
+                                   + (beta[i] * rk - cols_sum) * k_i)
+            dbeta[i] = dbeta[i] + jnp.sum(k_i * rk, axis=1)
+        return tuple(dbeta)
+
+    dbeta = lax.fori_loop(0, K // bk, key_block,
+                          tuple(f32(r.dbeta_in[rows(s)]) for s in range(n)))
+    for s in range(n):
+        r.dbeta[rows(s)] = dbeta[s]
+
+
+_DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in "
+                                            "dg_in dbeta_in dq dk dg dbeta", "q_rows k_rows")
+
+
+def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
+    """Step 3 of the module docstring within sub-chunk b of one (chunk, head): from q, k, G
     [C, K], beta [C], Mq, dA [C, C] (and as mq_flat, da_flat [C * C]), adds the gated sums
-    to the S rows of b of dq, dk, dG [S, K] and dbeta [S] in place. Across sub-chunks one
-    product per other sub-chunk s ([S, S] blocks of Mq and dA with [S, bk] tiles); within b
-    one partner row p at a time, the entries of Mq and dA in its row and column of the
-    diagonal block gathered from the flat matrices; or with a gate bound four products of
-    the diagonal blocks."""
-    r = with_unit_rows(named(_SumsRefs, names, refs))
+    over the pairs inside b, and Mq's diagonal terms, to the S rows of b of dq, dk, dG
+    [S, K] and dbeta [S] in place: one partner row p at a time, the entries of Mq and dA in
+    its row and column of the diagonal block gathered from the flat matrices; or with a gate
+    bound four products of the diagonal blocks."""
+    r = with_unit_rows(named(_DiagonalRefs, names, refs))
     C, K = r.k.shape
     S = SUB_CHUNK
     bk = blocks.cols(K)
@@ -169,7 +229,6 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
     mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
     zero = jnp.zeros((S, bk), jnp.float32)
-
     # with a gate bound, the diagonal block's rows and columns as products
     # (``ChannelGates.diagonal_factors``); Mq's diagonal is added apart
     if gate_bound is not None:
@@ -188,26 +247,6 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
         gates = ChannelGates(r.G, cols, sc)
         q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
 
-        # the sub-chunk's rows as the later i: R_i = sum_{j < i} M_ij y_j E_ij
-        def before(s, acc):
-            rq, rk = acc
-            k_s = f32(r.k[SubChunk.of(s), cols]) * gates.before(s)
-            return (rq + dot(f32(r.mq[own, SubChunk.of(s)]), k_s),
-                    rk + dot(f32(r.da[own, SubChunk.of(s)]), k_s))
-
-        # the sub-chunk's rows as the earlier j: Q_j = sum_{i > j} M_ij x_i E_ij
-        def after(s, acc):
-            cq, ck = acc
-            e = gates.after(s)
-            q_s = f32(r.q[SubChunk.of(s), cols]) * e
-            k_s = f32(r.k[SubChunk.of(s), cols]) * f32(r.beta[SubChunk.of(s)])[:, None] * e
-            return (cq + dot(f32(r.mq[SubChunk.of(s), own]).T, q_s),
-                    ck + dot(f32(r.da[SubChunk.of(s), own]).T, k_s))
-
-        rq, rk = lax.fori_loop(0, sc.index, before, (zero, zero))
-        cq, ck = lax.fori_loop(sc.index + 1, C // S, after, (zero, zero))
-        from_first, to_last = gates.from_first, gates.to_last()
-
         # within the sub-chunk: the diagonal block's entries in the partner's column (the
         # sub-chunk's rows as the later i) and row (as the earlier j)
         def partner(pt, acc):
@@ -221,13 +260,13 @@ def _sums_kernel(*refs, names, gate_bound, dots, blocks):
             q_p = f32(r.q[pl.ds(pt.row, 1), cols]) * pt.decay
             return rq + mq_col * k_p, rk + da_col * k_p, cq + mq_row * q_p, ck + da_row * k_p
 
-        acc = (rq * from_first, rk * from_first, cq * to_last, ck * to_last)
         if gate_bound is not None:
-            acc = [x + y for x, y in zip(acc, diagonal_products(gates, q_own, k_own))]
+            rq, rk, cq, ck = diagonal_products(gates, q_own, k_own)
         else:
+            acc = (zero,) * 4
             for pt in gates.partners():
                 acc = partner(pt, acc)
-        rq, rk, cq, ck = acc
+            rq, rk, cq, ck = acc
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
                          + cq + ck)
@@ -242,7 +281,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                 gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precise: bool = True,
                 products: Fp32Products = Fp32Products.TF32X3,
-                blocks: ChunkBlocks | None = None):
+                blocks: ChunkBlocks | None = None, across_blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) in the chunk layout (module
     docstring): (dq, dk, dv, dg, dbeta), float32, shapes of q, k, v, g, beta. terms must
     carry the inverse (``intra_chunk(..., with_inverse=True)``). gate_bound as in
@@ -250,7 +289,8 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     L2-normalised (as ``intra_chunk(normalize_qk=True)``), and dq, dk are the cotangents of
     the raw q, k (the normalisation's vjp by XLA). precise: every product at `products`
     (``common.Fp32Products``), else bf16 products. blocks: the launch configuration
-    (``ChunkBlocks.channel_grads`` if None)."""
+    (``ChunkBlocks.channel_grads`` if None) of every kernel but ``kda_grads_gated_sums``,
+    which runs with across_blocks (``ChunkBlocks.grads_across_sub_chunks`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     check_gate_bound(gate_bound)
@@ -303,31 +343,52 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy",
                     aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
 
+    G = chunk_cumsum(g)
+    in_place = {"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"}
+
+    across = Operands()
+    for name, spec, val in (("q", sp.tile(K), q), ("k", sp.tile(K), k), ("G", sp.tile(K), G),
+                            ("beta", sp.vec, beta), ("mq", sp.tile(C), step1["mq"]),
+                            ("da", sp.tile(C), step2["da"]), ("dq_in", sp.tile(K), step1["dq"]),
+                            ("dk_in", sp.tile(K), step2["dk"]),
+                            ("dg_in", sp.tile(K), step2["dg"]),
+                            ("dbeta_in", sp.vec, step2["dbeta"])):
+        across.add(name, spec, val)
+    add_row_scales(across, sp.vec, **rows)
+
+    def across_outs(out, struct):
+        for name in ("dq", "dk", "dg"):
+            out.add(name, sp.tile(K), f32_like(struct, k))
+        out.add("dbeta", sp.vec, f32_like(struct, beta))
+
+    across_blocks = across_blocks or ChunkBlocks.grads_across_sub_chunks()
+    step3, _ = call(_across_kernel, (NT, B, HV), across, across_outs,
+                    name="kda_grads_gated_sums", params=across_blocks.params(interpret),
+                    aliases=in_place, dots=dots, blocks=across_blocks)
+
     ss = sub_chunk_specs(NT, B, HV, C, blocks.sub_chunks_first)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
-    sums = Operands()
-    for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k),
-                            ("G", ss.chunk(K), chunk_cumsum(g)),
+    diagonal = Operands()
+    for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k), ("G", ss.chunk(K), G),
                             ("beta", ss.chunk_vec, beta),
                             ("mq", ss.chunk(C), step1["mq"]), ("da", ss.chunk(C), step2["da"]),
                             ("mq_flat", ss.square_flat, flat(step1["mq"])),
                             ("da_flat", ss.square_flat, flat(step2["da"])),
-                            ("dq_in", ss.rows(K), step1["dq"]),
-                            ("dk_in", ss.rows(K), step2["dk"]),
-                            ("dg_in", ss.rows(K), step2["dg"]),
-                            ("dbeta_in", ss.rows_vec, step2["dbeta"])):
-        sums.add(name, spec, val)
-    add_row_scales(sums, ss.chunk_vec, **rows)
+                            ("dq_in", ss.rows(K), step3["dq"]),
+                            ("dk_in", ss.rows(K), step3["dk"]),
+                            ("dg_in", ss.rows(K), step3["dg"]),
+                            ("dbeta_in", ss.rows_vec, step3["dbeta"])):
+        diagonal.add(name, spec, val)
+    add_row_scales(diagonal, ss.chunk_vec, **rows)
 
-    def sums_outs(out, struct):
+    def diagonal_outs(out, struct):
         for name in ("dq", "dk", "dg"):
             out.add(name, ss.rows(K), f32_like(struct, k))
         out.add("dbeta", ss.rows_vec, f32_like(struct, beta))
 
-    step3, _ = call(_sums_kernel, ss.grid, sums, sums_outs,
-                    name="kda_grads_gated_sums",
-                    aliases={"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"},
-                    gate_bound=gate_bound, **kw)
+    step3, _ = call(_diagonal_kernel, ss.grid, diagonal, diagonal_outs,
+                    name="kda_grads_diagonal_sums", aliases=in_place, gate_bound=gate_bound,
+                    **kw)
     # dg_s = sum_{i >= s} dG_i over the chunk's rows
     dg = lax.cumsum(step3["dg"], axis=3, reverse=True)
     dq, dk = step3["dq"], step3["dk"]
