@@ -38,7 +38,8 @@ class CoreConfig:
     "pallas" or "interpret"; whether q, k, v, g, beta (and o) are token-major
     [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
     normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C.
-    gate_bound: a bound every decay respects, or None (``stages.StageOptions``)."""
+    gate_bound: a bound every decay respects, or None; unit_qk: the rows of q, k have unit
+    L2 norm (``stages.StageOptions``)."""
     scale: float
     output_final_state: bool
     gate: Gate
@@ -49,11 +50,12 @@ class CoreConfig:
     normalize_qk: bool = False
     chunk_size: int = 64
     gate_bound: float | None = None
+    unit_qk: bool = False
 
     @property
     def stages(self) -> Stages:
         return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
-                          self.chunk_size, self.gate_bound)
+                          self.chunk_size, self.gate_bound, self.unit_qk)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:

@@ -58,7 +58,8 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
                      cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
                      dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
-                     chunk_size=chunk_size, gate_bound=gate_bound)
+                     chunk_size=chunk_size, gate_bound=gate_bound,
+                     unit_qk=use_qk_l2norm_in_kernel)
     v_in = v.astype(impl.v_dtype(dot_dtype))
     o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v_in), chunk(g),
                                 chunk(f32(beta)), init, layout)

@@ -63,13 +63,16 @@ class StageOptions:
     L2-normalise them inside the kernels; the cotangents are those of the raw q, k.
     gate_bound: None, or a bound in [-5, 0) that every decay is known to respect (the KDA
     gate computed with safe_gate and lower_bound), which KDA's Pallas kernels use for one
-    product per diagonal sub-chunk block (``pallas.channel``); the others ignore it."""
+    product per diagonal sub-chunk block (``pallas.channel``); the others ignore it.
+    unit_qk: every row of q and k has unit L2 norm (the op normalised them, or the kernels
+    do), which bounds the terms that KDA's Pallas stages then keep in float16."""
     gate: Gate
     interpret: bool = False
     dot_dtype: str = "float32"
     normalize_qk: bool = False
     chunk_size: int = 64
     gate_bound: float | None = None
+    unit_qk: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,16 +155,18 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     from jaxcp.pallas.config import StateBlocks
     precise = o.dot_dtype == "float32"
     products = Fp32Products.for_inputs(o.dot_dtype)
+    # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
+    # the state recurrences' TF32 products, at half the bytes (docs/precision.md)
+    tile_dtype = jnp.float16 if o.unit_qk and not precise else jnp.float32
+    kw = dict(normalize_qk=o.normalize_qk, interpret=o.interpret, precise=precise,
+              tile_dtype=tile_dtype)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         return intra_channel.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
-                                         gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
-                                         interpret=o.interpret, precise=precise)
+                                         gate_bound=o.gate_bound, **kw)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
-        return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept,
-                                             normalize_qk=o.normalize_qk,
-                                             interpret=o.interpret, precise=precise)
+        return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept, **kw)
 
     # Products that keep fp32 tiles finer than bf16 for every input dtype (TF32 for bf16
     # inputs): with bf16 products, correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the
@@ -172,13 +177,14 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
                                          interpret=o.interpret, precise=True,
                                          products=products)
 
-    # The state recurrences keep KDA's terms in float32 for every input dtype (TF32
+    # The state recurrences keep KDA's terms finer than bf16 for every input dtype (TF32
     # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
     # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
     # (docs/precision.md).
     state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False,
-                                 products=products, blocks=StateBlocks.channel())
+                                 products=products, blocks=StateBlocks.channel(),
+                                 tile_dtype=tile_dtype)
     return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)
 
@@ -216,11 +222,11 @@ def implementation(backend: str, gate: Gate) -> Implementation:
 @lru_cache(maxsize=None)
 def stages_for(backend: str, gate: Gate, dot_dtype: str = "float32",
                normalize_qk: bool = False, chunk_size: int = 64,
-               gate_bound: float | None = None) -> Stages:
+               gate_bound: float | None = None, unit_qk: bool = False) -> Stages:
     """The Stages of (backend, gate) built for these settings (see ``StageOptions``)."""
     impl = implementation(backend, gate)
     if normalize_qk and impl.normalize_max_k == 0:
         raise ValueError(f"normalize_qk: the {impl.backend} stages for the {gate.value} gate "
                          f"do not normalise q, k themselves")
     return impl.build(StageOptions(gate, backend == "interpret", dot_dtype, normalize_qk,
-                                   chunk_size, gate_bound))
+                                   chunk_size, gate_bound, unit_qk or normalize_qk))

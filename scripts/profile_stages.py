@@ -199,7 +199,7 @@ def _profile_kda(args, cu):
     backend = "interpret" if args.interpret else "pallas"
     impl = implementation(backend, Gate.CHANNEL)
     qk_dtype, v_dtype = impl.qk_dtype("bfloat16"), impl.v_dtype("bfloat16")
-    st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C)
+    st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C, unit_qk=True)
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
@@ -257,7 +257,7 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     (columns per block, warps, pipeline stages, the sub-chunk kernels' launch order),
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
     bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, and reading
-    float16 tiles (``state_output``'s tile_dtype); and the stages that read q, k with the
+    float32 tiles (``state_output``'s tile_dtype); and the stages that read q, k with the
     norm in the kernels (normalize_qk) from the raw bf16 q, k, v (raw, chunk layout) in
     place of the XLA-normalised float32 copies. A variant that cannot compile is reported,
     not fatal."""
@@ -331,7 +331,8 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     variant("chunk_grads with the norm in the kernels (its vjp by XLA)", lambda *a: (
         grads_channel.chunk_grads(*a[:5], scale, *a[5:], **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
-    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False, **as_shipped)
+    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False,
+              tile_dtype=terms.w.dtype, **as_shipped)
 
     def state_variants(how, stage_terms, stages, **options):
         """Rows "<stage> <how>" of the named state recurrences with options over kw."""
@@ -348,12 +349,11 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     for how, p in other_products:
         state_variants(how, terms, ("state_output", "state_bwd"), products=p,
                        blocks=StateBlocks.channel())
-    # float16 tiles of w, kd, qg, attn (cast before the timed calls)
-    half = terms._replace(**{name: getattr(terms, name).astype(jnp.float16)
+    # float32 tiles of w, kd, qg, attn (cast before the timed calls)
+    full = terms._replace(**{name: getattr(terms, name).astype(jnp.float32)
                              for name in ("w", "kd", "qg", "attn")})
-    for b in (StateBlocks.channel(), StateBlocks()):
-        state_variants(f"with float16 tiles, BV={b.block_cols}", half, all_three, blocks=b,
-                       tile_dtype=jnp.float16)
+    state_variants("with float32 tiles", full, all_three, blocks=StateBlocks.channel(),
+                   tile_dtype=jnp.float32)
     for bv, warps in ((64, 4), (64, 8), (32, 8)):
         state_variants(f"BV={bv}, {warps} warps", terms, all_three,
                        blocks=StateBlocks(block_cols=bv, num_warps=warps))

@@ -96,11 +96,11 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
         if i == j:    # the diagonal block's upper part is not a decay
             a, attn = lower(a, strict=True), lower(attn, strict=False)
         r.a[rows(i), rows(j)] = f32(r.beta[rows(i)])[:, None] * a
-        r.attn[rows(i), rows(j)] = scale * attn
+        r.attn[rows(i), rows(j)] = (scale * attn).astype(r.attn.dtype)
     for i in range(n):
         for j in range(i + 1, n):
             r.a[rows(i), rows(j)] = zero
-            r.attn[rows(i), rows(j)] = zero
+            r.attn[rows(i), rows(j)] = zero.astype(r.attn.dtype)
 
 
 _DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta a_in attn_in a attn", "q_rows k_rows")
@@ -124,7 +124,7 @@ def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
             a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
             attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
     r.a[:, sc.own] = f32(r.beta[...])[:, None] * a
-    r.attn[:, sc.own] = scale * attn
+    r.attn[:, sc.own] = (scale * attn).astype(r.attn.dtype)
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay",
@@ -159,8 +159,9 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
 
 def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
                q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
-               blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None):
-    """(A, attn) [NT, B, HV, C, C] float32: A = strict_lower(beta_i sum_d k_id k_jd
+               blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None,
+               tile_dtype=jnp.float32):
+    """(A [NT, B, HV, C, C] float32, attn [NT, B, HV, C, C] tile_dtype): A = strict_lower(beta_i sum_d k_id k_jd
     exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
     cumsum of g (module docstring): the blocks across sub-chunks by ``kda_gated_sums``
     (one program per (chunk, batch, head); launch configuration blocks,
@@ -184,7 +185,7 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     def outs(spec):
         def add(out, struct):
             out.add("a", spec, struct((NT, B, HV, C, C), jnp.float32))
-            out.add("attn", spec, struct((NT, B, HV, C, C), jnp.float32))
+            out.add("attn", spec, struct((NT, B, HV, C, C), tile_dtype))
         return add
 
     blocks = blocks or ChunkBlocks.across_sub_chunks()
@@ -211,7 +212,7 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
 
 def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: bool = False,
              q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
-             blocks: ChunkBlocks | None = None) -> ChunkTerms:
+             blocks: ChunkBlocks | None = None, tile_dtype=jnp.float32) -> ChunkTerms:
     """The terms but attn: T = (I + a)^-1 from ``gated_sums``'s a, or the inverse inv given
     (exactly one of the two), then w, u, qg, kd, decay (module docstring); with_inverse also
     returns T (a only). attn is left None. q_rows, k_rows as in ``gated_sums``."""
@@ -235,10 +236,11 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
 
     def outs(out, struct):
         terms = lambda *s: struct((NT, B, HV) + s, jnp.float32)
-        out.add("w", sp.tile(K), terms(C, K))
+        tiles = lambda *s: struct((NT, B, HV) + s, tile_dtype)
+        out.add("w", sp.tile(K), tiles(C, K))
         out.add("u", sp.tile(V), terms(C, V))
-        out.add("qg", sp.tile(K), terms(C, K))
-        out.add("kd", sp.tile(K), terms(C, K))
+        out.add("qg", sp.tile(K), tiles(C, K))
+        out.add("kd", sp.tile(K), tiles(C, K))
         out.add("decay", per_channel, terms(K))
         if with_inverse and a is not None:
             out.add("inv", sp.tile(C), terms(C, C))
@@ -253,7 +255,7 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
 def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
                 gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precise: bool = True,
-                blocks: ChunkBlocks | None = None) -> ChunkTerms:
+                blocks: ChunkBlocks | None = None, tile_dtype=jnp.float32) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
     [NT, B, HV, C], chunk layout, C a multiple of 16. gate_bound: None (any g <= 0), or a
@@ -262,10 +264,14 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
     ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
     L2-normalised rows (the kernels scale the rows as they read them; ``l2_row_scales``
-    by XLA). The terms are float32, as the jnp twin's. blocks: the launch
+    by XLA). The terms are float32, as the jnp twin's, but w, qg, kd and attn, which are
+    tile_dtype: float16 halves the bytes of the state recurrences' tiles and keeps the
+    10-bit mantissa their TF32 products keep, for terms that fit its range (every entry of
+    qg, kd, attn is at most 1 in magnitude for L2-normalised q, k). blocks: the launch
     configuration of ``wy_terms`` (``ChunkBlocks.default`` if None); ``gated_sums`` runs
     with its own."""
-    kw = dict(interpret=interpret, precise=precise, **unit_row_scales(q, k, normalize_qk))
+    kw = dict(interpret=interpret, precise=precise, tile_dtype=tile_dtype,
+              **unit_row_scales(q, k, normalize_qk))
     a, attn = gated_sums(q, k, g, beta, scale, gate_bound=gate_bound, **kw)
     terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, blocks=blocks,
                      **kw)
