@@ -295,6 +295,11 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (32, 4, 1), (32, 2, 1), (128, 8, 1),
                                                (64, 4, 2))] + [other_launch_order(shipped)]:
         variant(f"gated sums diagonal {how}", sums(diagonal_blocks=b), q, k, g, beta)
+    for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (64, 8, 2), (64, 4, 1), (32, 4, 2),
+                                               (32, 8, 1))]:
+        variant(f"intra, wy_terms {how}", lambda *a, b=b: intra_channel.intra_chunk(
+            *a, scale, precise=False, blocks=b, tile_dtype=terms.w.dtype,
+            interpret=interpret), *xs)
     # the gate bound of safe_gate (lower_bound -5), on the gates clipped to it
     bounded = jnp.maximum(g, -5.0)
     variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(

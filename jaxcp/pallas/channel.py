@@ -1,37 +1,34 @@
 """What KDA's Pallas kernels share (per-channel gate): the gate terms of whole-chunk
-programs (``ChannelBlock``), and the gated sums of the sub-chunk programs, the forward's
-``kda_gated_sums`` and the backward's ``kda_grads_gated_sums``. Every decay
-exp(G_id - G_jd) (j before i, G the chunk cumsum of g <= 0) is built from factors <= 1, so
-the sums are finite for any gate (under a gate bound, the diagonal blocks' factors lie
-within e^+-37.5 instead, below).
+programs (``ChannelBlock``), and those of the gated sums, the forward's A and attn and the
+backward's row and column sums of Mq and dA. Every decay exp(G_id - G_jd) (j before i, G
+the chunk cumsum of g <= 0) is built from factors <= 1, so the sums are finite for any gate
+(under a gate bound, the diagonal blocks' factors lie within e^+-37.5 instead, below).
 
-The chunk's C rows are cut into sub-chunks of S = 16 rows, and the sub-chunk kernels run
-one program per (chunk, batch, head, sub-chunk b) on [S, S] and [S, bk] tiles. Sub-chunk b
-holds the rows r .. e = r + S - 1. A pair (i, j), j < i:
+The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j < i:
 
-- i in b, j in a sub-chunk s before b (the rows of b as queries):
-  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1;
-- j in b, i in a sub-chunk s after b (the rows of b as keys):
-  exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j), both factors <= 1;
-- i and j in b: pair by pair, one row p of b at a time (``ChannelGates.partners``), the
-  decay exp(-|G_i - G_j|) = exp(G_later - G_earlier) of the pair as the jnp stage takes it.
-  The S steps do not depend on each other; each loads one row of G and of the operands.
+- i in sub-chunk b, j in a sub-chunk s before b, r the first row of b:
+  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1, so the [S, S] block
+  (b, s) is a tensor-core product of [S, bk] tiles times those factors. One program per
+  chunk takes every such block (``kda_gated_sums``, ``kda_grads_gated_sums``); the
+  backward uses the block's two factor tiles for both the row sums of b and the column
+  sums of s.
+- i and j in one sub-chunk b: pair by pair, one row p of b at a time
+  (``ChannelGates.partners``), the decay exp(-|G_i - G_j|) = exp(G_later - G_earlier) of
+  the pair as the jnp stage takes it, one program per sub-chunk
+  (``kda_diagonal_sums``, ``kda_grads_diagonal_sums``). The S steps do not depend on
+  each other; each loads one row of G and of the operands.
   With a gate bound (every gate in [gate_bound, 0), gate_bound >= -5: FLA's ``safe_gate``
-  with ``lower_bound``), the forward takes the diagonal block as one more product of its
-  loop over the sub-chunks before b, and the backward as products of the diagonal blocks of
-  Mq and dA, through a reference in the middle of the sub-chunk's possible span
-  (``diagonal_offset``), whose factors stay inside float32.
+  with ``lower_bound``), the diagonal block is a product too, through a reference in the
+  middle of the sub-chunk's possible span (``diagonal_offset``), whose factors stay inside
+  float32: in the forward one more block of the per-chunk program, in the backward
+  products of the diagonal blocks of Mq and dA.
 
-The first two are tensor-core products of [S, S] and [S, bk] tiles, one per other
-sub-chunk s (a loop over the sub-chunks before or after b, so a program holds only [S, *]
-tiles), their factors differences of the chunk cumsum G (``chunk_cumsum``, read from
-memory: a program needs G at rows it cannot slice out of a register tile). The row sum of
-program b and the column sum of program s then split the exponent of a pair at different
-rows, but of the same rounded G: for the nonzero decays G_i, G_r, G_j are close, the
-differences are exact, and the two products differ by the rounding of exp alone. Had either
-program taken its exponents from partial sums of g instead, they would differ by the
-cumsum's rounding, and the terms q_i R_i - k_j Q_j of dg, which cancel in exact
-arithmetic, would leave it in every row through dg's reverse cumsum.
+The factors are differences of the chunk cumsum G (``chunk_cumsum``, read from memory:
+a program needs G at rows it cannot slice out of a register tile), so the row sums and
+the column sums of a pair take the same rounded exponents. Had either taken them from
+partial sums of g instead, they would differ by the cumsum's rounding, and the terms
+q_i R_i - k_j Q_j of dg, which cancel in exact arithmetic, would leave it in every row
+through dg's reverse cumsum.
 """
 from __future__ import annotations
 
@@ -228,21 +225,19 @@ def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) ->
 
 class SubChunk:
     """This program's sub-chunk b (grid axis `axis`, ``sub_chunk_axis``): first row
-    r = b S, last row e = r + S - 1, local rows l = 0 .. S - 1 [S]; loaders of the rows of
-    a sub-chunk (this one, or another s) of a block of columns, and of the entries of a flat
-    [C, C] matrix in its rows, columns and diagonal."""
+    r = b S, local rows l = 0 .. S - 1 [S]; loaders of its rows of a block of columns, and
+    of the entries of a flat [C, C] matrix in its rows, columns and diagonal."""
 
     def __init__(self, axis: int):
         self.index = pl.program_id(axis)
         self.first = self.index * SUB_CHUNK
-        self.last = self.first + SUB_CHUNK - 1
         self.local = iota((SUB_CHUNK,), 0)
         self.own = pl.ds(self.first, SUB_CHUNK)
 
     @staticmethod
-    def of(s):
-        """The rows of sub-chunk s (static or traced), as a slice."""
-        return pl.ds(pl.multiple_of(s * SUB_CHUNK, SUB_CHUNK), SUB_CHUNK)
+    def of(s: int, count: int = SUB_CHUNK):
+        """The first `count` rows of sub-chunk s (static), as a slice."""
+        return pl.ds(s * SUB_CHUNK, count)
 
     def rows(self, ref, cols):
         """Its S rows of the chunk tile ref, float32 [S, bk]."""
@@ -266,31 +261,18 @@ class SubChunk:
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
     cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the
-    sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1
-    but those of ``diagonal_factors``."""
+    sub-chunk's rows [S, bk] and on its first row [1, bk]. Every factor is <= 1 but those
+    of ``diagonal_factors``."""
 
     def __init__(self, G_ref, cols, sc: SubChunk):
         self.sc, self.G_ref, self.cols = sc, G_ref, cols
         self.G_own = sc.rows(G_ref, cols)
         self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
-        self.G_last = f32(G_ref[pl.ds(sc.last, 1), cols])
 
     @cached_property
     def from_first(self):
         """exp(G_i - G_r) on the sub-chunk's rows i, [S, bk]."""
         return jnp.exp(self.G_own - self.G_first)
-
-    def to_last(self):
-        """exp(G_e - G_j) on the sub-chunk's rows j, [S, bk]."""
-        return jnp.exp(self.G_last - self.G_own)
-
-    def before(self, s):
-        """exp(G_r - G_j) on the rows j of a sub-chunk s before this one, [S, bk]."""
-        return jnp.exp(self.G_first - f32(self.G_ref[SubChunk.of(s), self.cols]))
-
-    def after(self, s):
-        """exp(G_i - G_e) on the rows i of a sub-chunk s after this one, [S, bk]."""
-        return jnp.exp(f32(self.G_ref[SubChunk.of(s), self.cols]) - self.G_last)
 
     def diagonal_factors(self, gate_bound: float):
         """``diagonal_factors`` of this sub-chunk. Only under a gate bound."""
@@ -304,8 +286,9 @@ class ChannelGates:
                        decay=jnp.exp(-jnp.abs(self.G_own - G_p)))
 
     def partners(self):
-        """The S rows p of the sub-chunk as partners of its rows l, in order (unrolled: the
-        steps are independent, and their loads can be issued together)."""
+        """The S rows p of the sub-chunk as partners of its rows l, in order, unrolled (the
+        steps are independent, and their loads can be issued together; the backward's
+        kernel, which holds more per step, loops over ``partner`` instead)."""
         return (self.partner(p) for p in range(SUB_CHUNK))
 
 

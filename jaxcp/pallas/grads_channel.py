@@ -1,4 +1,4 @@
-"""Pallas (Triton-lowered) cotangents of KDA's chunk inputs, in the chunk layout: two
+"""Pallas (Triton-lowered) cotangents of KDA's chunk inputs, in the chunk layout: three
 kernels with one program per (chunk, batch, head), then one with one program per
 (chunk, batch, head, sub-chunk of 16 rows), then dg's reverse cumsum in XLA.
 
@@ -20,7 +20,9 @@ u = T (beta v)) and the gated row and column sums of ``pallas.channel``
        dA = strict_lower(-dY u^T - dXk w^T) (stored); per block of key columns:
          dk += beta exp(G) dXk,  dbeta += rowsum(exp(G) dXk o k),
          dG += beta exp(G) dXk o k
-    3. (``_sums_kernel``, the rows of one sub-chunk, in place) per block of key columns:
+    3. (``_across_kernel`` for the pairs in different sub-chunks, then ``_diagonal_kernel``
+       for those inside one sub-chunk and Mq's diagonal; both in place) per block of key
+       columns:
          Rq = rows(Mq, k),  Cq = cols(Mq, q),  R = rows(dA, k),  Q = cols(dA, beta k)
          dq += Rq + diag(Mq) k
          dk += Cq + diag(Mq) q + beta R + Q,   dbeta += rowsum(k o R)
@@ -32,8 +34,8 @@ With normalize_qk the kernels read q, k L2-normalised from the raw tiles (as
 
 Every decay is a product of factors <= 1 (``pallas.channel``), so the cotangents are finite
 for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
-only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the sub-chunk
-kernel holds [16, *] tiles. The stage table asks for precise products for every input
+only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the kernels of
+step 3 hold [16, *] tiles. The stage table asks for precise products for every input
 dtype: 3xTF32 for fp32 inputs, TF32 for bf16 ones (``common.Fp32Products``).
 """
 from __future__ import annotations
@@ -170,7 +172,7 @@ def _across_kernel(*refs, names, dots, blocks):
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
     dot = dots.plain
-    rows = lambda s, count=S: pl.ds(s * S, count)
+    rows = SubChunk.of
     beta = [f32(r.beta[rows(s)])[:, None] for s in range(n)]
 
     def key_block(c, dbeta):
@@ -263,10 +265,8 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
         if gate_bound is not None:
             rq, rk, cq, ck = diagonal_products(gates, q_own, k_own)
         else:
-            acc = (zero,) * 4
-            for pt in gates.partners():
-                acc = partner(pt, acc)
-            rq, rk, cq, ck = acc
+            rq, rk, cq, ck = lax.fori_loop(0, S, lambda p, acc: partner(gates.partner(p), acc),
+                                           (zero,) * 4)
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
                          + cq + ck)

@@ -60,32 +60,33 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
     channels, (x_i exp(G_i - G_r)) (k_j exp(G_r - G_j))^T with r the first row of i; zeros
     above the diagonal; and with a gate bound the diagonal blocks as products too
     (``channel.diagonal_factors``), which ``_diagonal_kernel`` writes otherwise. The
-    [S, bk] tiles of every sub-chunk are loaded once per block of channels."""
+    tiles of the other sub-chunks are loaded where a pair needs them (from L1), which
+    holds fewer registers than keeping them."""
     r = with_unit_rows(named(_AcrossRefs, names, refs))
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
     with_diagonal = gate_bound is not None
     pairs = [(i, j) for i in range(n) for j in range(i + with_diagonal)]
-    rows = lambda s, count=S: pl.ds(s * S, count)
+    rows = SubChunk.of
 
     def key_block(c, acc):
         cols = pl.ds(pl.multiple_of(c * bk, bk), bk)
-        G = [f32(r.G[rows(s), cols]) for s in range(n)]
-        k = [f32(r.k[rows(s), cols]) for s in range(n)]
+        G = lambda s: f32(r.G[rows(s), cols])
+        k = lambda s: f32(r.k[rows(s), cols])
         acc = list(acc)
         for i in range(n):
-            G_first = f32(r.G[rows(i, 1), cols])
-            from_first = jnp.exp(G[i] - G_first)
+            G_first, G_i, k_i = f32(r.G[rows(i, 1), cols]), G(i), k(i)
+            from_first = jnp.exp(G_i - G_first)
             q_i = f32(r.q[rows(i), cols])
             for j in range(i + with_diagonal):
                 if j < i:
-                    left, right = from_first, jnp.exp(G_first - G[j])
+                    left, right = from_first, jnp.exp(G_first - G(j))
                 else:
-                    left, right = diagonal_factors(G[i], G_first, gate_bound, from_first)
-                k_j = k[j] * right
+                    left, right = diagonal_factors(G_i, G_first, gate_bound, from_first)
+                k_j = k(j) * right
                 at = 2 * pairs.index((i, j))
-                acc[at] = acc[at] + dots.plain(k[i] * left, k_j.T)
+                acc[at] = acc[at] + dots.plain(k_i * left, k_j.T)
                 acc[at + 1] = acc[at + 1] + dots.plain(q_i * left, k_j.T)
         return tuple(acc)
 
