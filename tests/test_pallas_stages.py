@@ -209,13 +209,17 @@ def test_intra_chunk_gdn(C, layout_name, correlated):
 
 def kda_chunks(C, K, V, gates, seed=0):
     """Chunk-layout KDA inputs (3 chunks of C, 2 heads); gates: "random" (log-sigmoid),
-    "-30" (uniform in [-30, 0)) or "-1e3" (a third of the gates -1e3, the rest -0.01)."""
+    "-30" (uniform in [-30, 0)), "-1e3" (a third of the gates -1e3, the rest -0.01) or
+    "mixed" (sub-chunks of 16 rows alternately "random" and "-30")."""
     rng = np.random.default_rng(seed)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     shape = (3, 1, 2, C)
     g = {"random": lambda: jax.nn.log_sigmoid(r(*shape, K) + 2.0),
          "-30": lambda: -30.0 * jnp.asarray(rng.random(shape + (K,)), jnp.float32),
-         "-1e3": lambda: jnp.where(jnp.asarray(rng.random(shape + (K,))) < 0.3, -1e3, -0.01)}
+         "-1e3": lambda: jnp.where(jnp.asarray(rng.random(shape + (K,))) < 0.3, -1e3, -0.01),
+         "mixed": lambda: jnp.where((jnp.arange(C) // 16 % 2 == 1)[:, None],
+                                    -30.0 * jnp.asarray(rng.random(shape + (K,)), jnp.float32),
+                                    jax.nn.log_sigmoid(r(*shape, K) + 2.0))}
     return r(*shape, K), r(*shape, K) / 4, r(*shape, V), g[gates](), jax.nn.sigmoid(r(*shape))
 
 
@@ -330,6 +334,22 @@ def test_chunk_grads_kda(C, K, V):
     want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
     got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert_rel(a, b, 1e-5, name)
+
+
+def test_kda_diagonal_blocks_as_products_or_pair_by_pair():
+    """A sub-chunk whose G falls by at most 75 on every channel takes its diagonal block as
+    products, the others pair by pair (``channel.diagonal_fits``): with the sub-chunks
+    alternating between gates near 0 and gates down to -30, the terms and the cotangents
+    equal the XLA twin's, and neither path wrote the other's blocks."""
+    args, _, rest = kda_grads_inputs(64, 32, 16, "mixed")
+    want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
+    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
+    assert_terms(got, want, 1e-5)
+    grads_want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
+    grads_got = pgrads_channel.chunk_grads(*args, 0.3, want, *rest, interpret=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_got, grads_want):
+        assert bool(jnp.all(jnp.isfinite(a))), name
         assert_rel(a, b, 1e-5, name)
 
 

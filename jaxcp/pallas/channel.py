@@ -32,7 +32,6 @@ through dg's reverse cumsum.
 """
 from __future__ import annotations
 
-import math
 from functools import cached_property
 from typing import Callable, NamedTuple
 
@@ -112,31 +111,33 @@ MIN_GATE_BOUND = -5.0
 
 
 def check_gate_bound(gate_bound: float | None) -> None:
-    """gate_bound: None or in [MIN_GATE_BOUND, 0) (``diagonal_offset``)."""
+    """gate_bound: None or in [MIN_GATE_BOUND, 0) (``diagonal_fits``)."""
     if gate_bound is not None and not MIN_GATE_BOUND <= gate_bound < 0:
         raise ValueError(f"gate_bound must be None or in [{MIN_GATE_BOUND}, 0), got "
                          f"{gate_bound!r}")
 
 
-def diagonal_offset(gate_bound: float) -> float:
-    """(S - 1) gate_bound / 2, the middle of the span of G_l - G_r on a sub-chunk's rows l
-    (first row r) when every gate lies in [gate_bound, 0): that span is [(S - 1)
-    gate_bound, 0], so exp(G_l - G_r - offset) and exp(G_r - G_p + offset) stay within
-    exp(+-(S - 1) |gate_bound| / 2) (e^+-37.5 at gate_bound = -5), inside float32, and
-    their products are the decays E_lp for p <= l (the pairs with p after l, up to e^75,
-    are masked after the product)."""
-    return 0.5 * (SUB_CHUNK - 1) * gate_bound
+MAX_DIAGONAL_SPAN = 75.0
 
 
-def diagonal_factors(G_own, G_first, gate_bound: float, from_first=None):
-    """exp(G_l - G_r) / shift and exp(G_r - G_l) shift [S, bk] on a sub-chunk's rows l
-    (G_own [S, bk], G_first = G_r [1, bk] on its first row r; from_first: exp(G_l - G_r)
-    if already taken), shift = exp(``diagonal_offset``): E_lp is the first at l times the
-    second at p, for p <= l. Only under a gate bound."""
-    shift = math.exp(diagonal_offset(gate_bound))
-    if from_first is None:
-        from_first = jnp.exp(G_own - G_first)
-    return from_first / shift, jnp.exp(G_first - G_own) * shift
+def diagonal_factors(G_own, G_first, G_last):
+    """exp(G_l - M) and exp(M - G_l) [S, bk] on a sub-chunk's rows l (G_own [S, bk]), with
+    M = (G_r + G_e) / 2 the middle of G's span over its rows (G_first = G_r and G_last = G_e
+    [1, bk] on its first and last rows): E_lp is the first at l times the second at p. On
+    a sub-chunk that ``diagonal_fits``, both lie within e^+-37.5, and the products of the
+    pairs with p after l (not decays, up to e^75) stay finite too."""
+    middle = 0.5 * (G_first + G_last)
+    return jnp.exp(G_own - middle), jnp.exp(middle - G_own)
+
+
+def diagonal_fits(G_ref, first):
+    """Whether G (a [C, K] ref) falls by at most MAX_DIAGONAL_SPAN on every channel over
+    the sub-chunk whose first row is `first` (a scalar bool): then its diagonal block is
+    taken as products (``diagonal_factors``), else pair by pair. Gates of at least -5 (a
+    gate bound) always fit: 15 steps of -5."""
+    span = (f32(G_ref[pl.ds(first, 1), :])
+            - f32(G_ref[pl.ds(first + SUB_CHUNK - 1, 1), :]))
+    return jnp.max(span) <= MAX_DIAGONAL_SPAN
 
 
 def check_chunk(C: int) -> None:
@@ -261,22 +262,23 @@ class SubChunk:
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
     cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the
-    sub-chunk's rows [S, bk] and on its first row [1, bk]. Every factor is <= 1 but those
-    of ``diagonal_factors``."""
+    sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1
+    but those of ``diagonal_factors``."""
 
     def __init__(self, G_ref, cols, sc: SubChunk):
         self.sc, self.G_ref, self.cols = sc, G_ref, cols
         self.G_own = sc.rows(G_ref, cols)
         self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
+        self.G_last = f32(G_ref[pl.ds(sc.first + SUB_CHUNK - 1, 1), cols])
 
     @cached_property
     def from_first(self):
         """exp(G_i - G_r) on the sub-chunk's rows i, [S, bk]."""
         return jnp.exp(self.G_own - self.G_first)
 
-    def diagonal_factors(self, gate_bound: float):
-        """``diagonal_factors`` of this sub-chunk. Only under a gate bound."""
-        return diagonal_factors(self.G_own, self.G_first, gate_bound, self.from_first)
+    def diagonal_factors(self):
+        """``diagonal_factors`` of this sub-chunk (where it ``diagonal_fits``)."""
+        return diagonal_factors(self.G_own, self.G_first, self.G_last)
 
     def partner(self, p: int):
         """Row p of the sub-chunk as the partner of its rows l (``Partner``)."""

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
-                                  f32, iota, lower, sub_chunk_axis,
+                                  diagonal_fits, f32, iota, lower, sub_chunk_axis,
                                   sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
                                  named, refs_type)
@@ -218,9 +218,10 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     """Step 3 of the module docstring within sub-chunk b of one (chunk, head): from q, k, G
     [C, K], beta [C], Mq, dA [C, C] (and as mq_flat, da_flat [C * C]), adds the gated sums
     over the pairs inside b, and Mq's diagonal terms, to the S rows of b of dq, dk, dG
-    [S, K] and dbeta [S] in place: one partner row p at a time, the entries of Mq and dA in
-    its row and column of the diagonal block gathered from the flat matrices; or with a gate
-    bound four products of the diagonal blocks."""
+    [S, K] and dbeta [S] in place: where b ``diagonal_fits`` (under a gate bound, always),
+    four products of the diagonal blocks of Mq and dA with the factor tiles of
+    ``diagonal_factors``; elsewhere one partner row p at a time, the entries of Mq and dA in
+    its row and column of the diagonal block gathered from the flat matrices."""
     r = with_unit_rows(named(_DiagonalRefs, names, refs))
     C, K = r.k.shape
     S = SUB_CHUNK
@@ -231,18 +232,18 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
     zero = jnp.zeros((S, bk), jnp.float32)
-    # with a gate bound, the diagonal block's rows and columns as products
-    # (``ChannelGates.diagonal_factors``); Mq's diagonal is added apart
-    if gate_bound is not None:
-        mq_block = lower(f32(r.mq[own, own]), strict=True)
-        da_block = f32(r.da[own, own])
+    # the diagonal block's rows and columns as products (``ChannelGates.diagonal_factors``);
+    # Mq's diagonal is added apart
+    mq_block = lower(f32(r.mq[own, own]), strict=True)
+    da_block = f32(r.da[own, own])
+    fits = gate_bound is not None or diagonal_fits(r.G, sc.first)
 
-        def diagonal_products(gates, q_own, k_own):
-            left, right = gates.diagonal_factors(gate_bound)
-            k_right, k_left = k_own * right, k_own * left
-            return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
-                    right * dot(mq_block.T, q_own * left),
-                    right * dot(da_block.T, k_left * beta_own))
+    def diagonal_products(gates, q_own, k_own):
+        left, right = gates.diagonal_factors()
+        k_right, k_left = k_own * right, k_own * left
+        return (left * dot(mq_block, k_right), left * dot(da_block, k_right),
+                right * dot(mq_block.T, q_own * left),
+                right * dot(da_block.T, k_left * beta_own))
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
@@ -262,11 +263,13 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
             q_p = f32(r.q[pl.ds(pt.row, 1), cols]) * pt.decay
             return rq + mq_col * k_p, rk + da_col * k_p, cq + mq_row * q_p, ck + da_row * k_p
 
+        pairs = lambda: lax.fori_loop(0, S, lambda p, acc: partner(gates.partner(p), acc),
+                                      (zero,) * 4)
+        products = lambda: diagonal_products(gates, q_own, k_own)
         if gate_bound is not None:
-            rq, rk, cq, ck = diagonal_products(gates, q_own, k_own)
+            rq, rk, cq, ck = products()
         else:
-            rq, rk, cq, ck = lax.fori_loop(0, S, lambda p, acc: partner(gates.partner(p), acc),
-                                           (zero,) * 4)
+            rq, rk, cq, ck = lax.cond(fits, products, pairs)
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
                          + cq + ck)

@@ -15,16 +15,18 @@ With G = cumsum(g) over the chunk's rows (per channel),
     A_ij    = beta_i sum_d k_id k_jd exp(G_id - G_jd)     for j < i
     attn_ij = scale  sum_d q_id k_jd exp(G_id - G_jd)     for j <= i
 
-is not a matrix product: the decay differs per channel. It is computed in two parts, in
-sub-chunks of S = 16 rows, so that no factor exceeds 1 whatever the gates:
+is not a matrix product: the decay differs per channel. It is computed in sub-chunks of
+S = 16 rows (``pallas.channel``), so that no factor overflows whatever the gates:
 
 - j in a sub-chunk s before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
   exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so each such [S, S] block is a
   tensor-core product (x exp(G - G_r)) (k_s exp(G_r - G_s))^T;
-- j in the sub-chunk of i: pair by pair, one column j at a time, exp(G_id - G_jd) <= 1 as
-  the jnp twin takes it.
+- j in the sub-chunk of i: a product too, through the middle of G's span over the
+  sub-chunk, where that span is at most 75 on every channel (``channel.diagonal_fits``,
+  factors within e^+-37.5); elsewhere pair by pair, one column j at a time,
+  exp(G_id - G_jd) <= 1 as the jnp twin takes it.
 
-Every exponent is <= 0, so the terms are finite for any g <= 0. Then
+The terms are finite for any g <= 0. Then
 
     T = (I + A)^-1 (``unit_lower_inverse``),   w = T diag(beta) (k exp(G)),
     u = T diag(beta) v,   qg = scale q exp(G),   kd = k exp(G_C - G),   decay = exp(G_C).
@@ -43,7 +45,8 @@ from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
                                   add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
-                                  diagonal_factors, f32, lower, sub_chunk_axis,
+                                  diagonal_factors, diagonal_fits, f32, lower,
+                                  sub_chunk_axis,
                                   sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
@@ -57,17 +60,17 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
     """From q, k, G [C, K] and beta [C] of one (chunk, head), A = strict_lower(beta_i sum_d
     k_id k_jd E_ijd) and attn = scale lower(sum_d q_id k_jd E_ijd) [C, C] as [S, S] blocks:
     the blocks (i, j) across sub-chunks, j before i, each one product per block of bk
-    channels, (x_i exp(G_i - G_r)) (k_j exp(G_r - G_j))^T with r the first row of i; zeros
-    above the diagonal; and with a gate bound the diagonal blocks as products too
-    (``channel.diagonal_factors``), which ``_diagonal_kernel`` writes otherwise. The
-    tiles of the other sub-chunks are loaded where a pair needs them (from L1), which
-    holds fewer registers than keeping them."""
+    channels, (x_i exp(G_i - G_r)) (k_j exp(G_r - G_j))^T with r the first row of i; the
+    diagonal blocks as products too (``channel.diagonal_factors``) on the sub-chunks that
+    ``diagonal_fits`` (under a gate bound, all; the others are zero here, and
+    ``_diagonal_kernel`` writes them); zeros above the diagonal. The tiles of the other
+    sub-chunks are loaded where a pair needs them (from L1), which holds fewer registers
+    than keeping them."""
     r = with_unit_rows(named(_AcrossRefs, names, refs))
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
-    with_diagonal = gate_bound is not None
-    pairs = [(i, j) for i in range(n) for j in range(i + with_diagonal)]
+    pairs = [(i, j) for i in range(n) for j in range(i + 1)]
     rows = SubChunk.of
 
     def key_block(c, acc):
@@ -79,11 +82,12 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
             G_first, G_i, k_i = f32(r.G[rows(i, 1), cols]), G(i), k(i)
             from_first = jnp.exp(G_i - G_first)
             q_i = f32(r.q[rows(i), cols])
-            for j in range(i + with_diagonal):
+            for j in range(i + 1):
                 if j < i:
                     left, right = from_first, jnp.exp(G_first - G(j))
                 else:
-                    left, right = diagonal_factors(G_i, G_first, gate_bound, from_first)
+                    G_last = f32(r.G[pl.ds(i * S + S - 1, 1), cols])
+                    left, right = diagonal_factors(G_i, G_first, G_last)
                 k_j = k(j) * right
                 at = 2 * pairs.index((i, j))
                 acc[at] = acc[at] + dots.plain(k_i * left, k_j.T)
@@ -96,6 +100,9 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
         a, attn = acc[2 * at], acc[2 * at + 1]
         if i == j:    # the diagonal block's upper part is not a decay
             a, attn = lower(a, strict=True), lower(attn, strict=False)
+            if gate_bound is None:
+                fits = diagonal_fits(r.G, i * S)
+                a, attn = jnp.where(fits, a, 0.0), jnp.where(fits, attn, 0.0)
         r.a[rows(i), rows(j)] = f32(r.beta[rows(i)])[:, None] * a
         r.attn[rows(i), rows(j)] = (scale * attn).astype(r.attn.dtype)
     for i in range(n):
@@ -109,23 +116,26 @@ _DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta a_in attn_in a attn", "q_
 
 def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
     """The diagonal block of sub-chunk b of one (chunk, head) in A and attn (as in
-    ``_across_kernel``), written in place into a, attn [S, C] (the sub-chunk's rows): pair
-    by pair, one partner row p of b at a time (``ChannelGates.partners``), K in blocks of
-    bk channels."""
+    ``_across_kernel``), written in place into a, attn [S, C] (the sub-chunk's rows), where
+    b does not ``diagonal_fits``: pair by pair, one partner row p of b at a time
+    (``ChannelGates.partners``), K in blocks of bk channels."""
     r = with_unit_rows(named(_DiagonalRefs, names, refs))
     K = r.k.shape[1]
     S = SUB_CHUNK
     bk = blocks.cols(K)
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
-    a = attn = jnp.zeros((S, S), jnp.float32)
-    for cols in (pl.ds(j * bk, bk) for j in range(K // bk)):
-        k, q = sc.rows(r.k, cols), sc.rows(r.q, cols)
-        for pt in ChannelGates(r.G, cols, sc).partners():
-            k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
-            a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
-            attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
-    r.a[:, sc.own] = f32(r.beta[...])[:, None] * a
-    r.attn[:, sc.own] = (scale * attn).astype(r.attn.dtype)
+
+    @pl.when(jnp.logical_not(diagonal_fits(r.G, sc.first)))
+    def _():
+        a = attn = jnp.zeros((S, S), jnp.float32)
+        for cols in (pl.ds(j * bk, bk) for j in range(K // bk)):
+            k, q = sc.rows(r.k, cols), sc.rows(r.q, cols)
+            for pt in ChannelGates(r.G, cols, sc).partners():
+                k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
+                a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
+                attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
+        r.a[:, sc.own] = f32(r.beta[...])[:, None] * a
+        r.attn[:, sc.own] = (scale * attn).astype(r.attn.dtype)
 
 
 _TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay",
@@ -162,14 +172,14 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
                q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
                blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None,
                tile_dtype=jnp.float32):
-    """(A [NT, B, HV, C, C] float32, attn [NT, B, HV, C, C] tile_dtype): A = strict_lower(beta_i sum_d k_id k_jd
-    exp(G_id - G_jd)) and attn = scale lower(sum_d q_id k_jd exp(G_id - G_jd)), G the chunk
-    cumsum of g (module docstring): the blocks across sub-chunks by ``kda_gated_sums``
-    (one program per (chunk, batch, head); launch configuration blocks,
-    ``ChunkBlocks.across_sub_chunks`` if None), then the diagonal blocks in place by
-    ``kda_diagonal_sums`` (one program per (chunk, batch, head, sub-chunk of 16 rows);
-    diagonal_blocks, ``ChunkBlocks.sub_chunk`` if None), or under a gate bound by the
-    first kernel too. q_rows, k_rows [NT, B, HV, C] (both or neither): the rows of q, k are
+    """(A [NT, B, HV, C, C] float32, attn [NT, B, HV, C, C] tile_dtype): A =
+    strict_lower(beta_i sum_d k_id k_jd exp(G_id - G_jd)) and attn = scale lower(sum_d q_id
+    k_jd exp(G_id - G_jd)), G the chunk cumsum of g (module docstring): every block by
+    ``kda_gated_sums`` (one program per (chunk, batch, head); launch configuration blocks,
+    ``ChunkBlocks.across_sub_chunks`` if None) but the diagonal blocks of sub-chunks that
+    do not ``diagonal_fits``, which ``kda_diagonal_sums`` writes in place (one program per
+    (chunk, batch, head, sub-chunk of 16 rows); diagonal_blocks, ``ChunkBlocks.sub_chunk``
+    if None; not launched under a gate bound). q_rows, k_rows [NT, B, HV, C] (both or neither): the rows of q, k are
     taken times them (``channel.RowScaled``). Shapes, gate_bound and precise as in
     ``intra_chunk``."""
     check_gate_bound(gate_bound)
@@ -260,8 +270,9 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
     [NT, B, HV, C], chunk layout, C a multiple of 16. gate_bound: None (any g <= 0), or a
-    bound in [-5, 0) that every gate is known to respect (g in [gate_bound, 0)), for one
-    product per diagonal block (``channel.diagonal_offset``). precise: 3xTF32 products (fp32
+    bound in [-5, 0) that every gate is known to respect (g in [gate_bound, 0)): then every
+    diagonal block is a product (``channel.diagonal_fits``) and the pair-by-pair kernel is
+    not launched. precise: 3xTF32 products (fp32
     inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
     ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
     L2-normalised rows (the kernels scale the rows as they read them; ``l2_row_scales``
