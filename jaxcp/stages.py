@@ -62,8 +62,9 @@ class StageOptions:
     state stay float32). normalize_qk: ``intra`` and ``chunk_grads`` take raw q, k and
     L2-normalise them inside the kernels; the cotangents are those of the raw q, k.
     gate_bound: None, or a bound in [-5, 0) that every decay is known to respect (the KDA
-    gate computed with safe_gate and lower_bound), which KDA's Pallas kernels use for one
-    product per diagonal sub-chunk block (``pallas.channel``); the others ignore it.
+    gate computed with safe_gate and lower_bound), under which KDA's Pallas kernels take every
+    diagonal sub-chunk block as products without checking (``pallas.channel``); the
+    others ignore it.
     unit_qk: every row of q and k has unit L2 norm (the op normalised them, or the kernels
     do), which bounds the terms that KDA's Pallas stages then keep in float16."""
     gate: Gate

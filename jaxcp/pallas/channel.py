@@ -1,8 +1,8 @@
 """What KDA's Pallas kernels share (per-channel gate): the gate terms of whole-chunk
 programs (``ChannelBlock``), and those of the gated sums, the forward's A and attn and the
 backward's row and column sums of Mq and dA. Every decay exp(G_id - G_jd) (j before i, G
-the chunk cumsum of g <= 0) is built from factors <= 1, so the sums are finite for any gate
-(under a gate bound, the diagonal blocks' factors lie within e^+-37.5 instead, below).
+the chunk cumsum of g <= 0) is built from factors that cannot overflow, so the sums are
+finite for any gate.
 
 The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j < i:
 
@@ -12,16 +12,16 @@ The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j < i:
   chunk takes every such block (``kda_gated_sums``, ``kda_grads_gated_sums``); the
   backward uses the block's two factor tiles for both the row sums of b and the column
   sums of s.
-- i and j in one sub-chunk b: pair by pair, one row p of b at a time
+- i and j in one sub-chunk b that ``diagonal_fits`` (G falls by at most 75 over b on
+  every channel; always under a gate bound of -5 or more, FLA's ``safe_gate``): a
+  product too, through the middle of G's span over b (``diagonal_factors``, factors
+  within e^+-37.5): in the forward four more blocks of the per-chunk program, in the
+  backward products of the diagonal blocks of Mq and dA.
+- i and j in a sub-chunk b that does not fit: pair by pair, one row p of b at a time
   (``ChannelGates.partners``), the decay exp(-|G_i - G_j|) = exp(G_later - G_earlier) of
   the pair as the jnp stage takes it, one program per sub-chunk
   (``kda_diagonal_sums``, ``kda_grads_diagonal_sums``). The S steps do not depend on
   each other; each loads one row of G and of the operands.
-  With a gate bound (every gate in [gate_bound, 0), gate_bound >= -5: FLA's ``safe_gate``
-  with ``lower_bound``), the diagonal block is a product too, through a reference in the
-  middle of the sub-chunk's possible span (``diagonal_offset``), whose factors stay inside
-  float32: in the forward one more block of the per-chunk program, in the backward
-  products of the diagonal blocks of Mq and dA.
 
 The factors are differences of the chunk cumsum G (``chunk_cumsum``, read from memory:
 a program needs G at rows it cannot slice out of a register tile), so the row sums and
