@@ -271,11 +271,6 @@ class ChannelGates:
         self.G_first = f32(G_ref[pl.ds(sc.first, 1), cols])
         self.G_last = f32(G_ref[pl.ds(sc.first + SUB_CHUNK - 1, 1), cols])
 
-    @cached_property
-    def from_first(self):
-        """exp(G_i - G_r) on the sub-chunk's rows i, [S, bk]."""
-        return jnp.exp(self.G_own - self.G_first)
-
     def diagonal_factors(self):
         """``diagonal_factors`` of this sub-chunk (where it ``diagonal_fits``)."""
         return diagonal_factors(self.G_own, self.G_first, self.G_last)
