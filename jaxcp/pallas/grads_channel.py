@@ -347,51 +347,42 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                     aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
 
     G = chunk_cumsum(g)
-    in_place = {"dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"}
 
-    across = Operands()
-    for name, spec, val in (("q", sp.tile(K), q), ("k", sp.tile(K), k), ("G", sp.tile(K), G),
-                            ("beta", sp.vec, beta), ("mq", sp.tile(C), step1["mq"]),
-                            ("da", sp.tile(C), step2["da"]), ("dq_in", sp.tile(K), step1["dq"]),
-                            ("dk_in", sp.tile(K), step2["dk"]),
-                            ("dg_in", sp.tile(K), step2["dg"]),
-                            ("dbeta_in", sp.vec, step2["dbeta"])):
-        across.add(name, spec, val)
-    add_row_scales(across, sp.vec, **rows)
+    def gated_sums(kernel, grid, tile, vec, own, own_vec, partial, extra=(), **static):
+        """One kernel of step 3, in place: q, k, G [C, K] and Mq, dA [C, C] under the
+        BlockSpec maker tile, beta and the row scales under vec; the partial dq, dk, dG
+        (own) and dbeta (own_vec) in and out; extra: more (name, spec, value) inputs."""
+        ins = Operands()
+        for name, spec, val in (("q", tile(K), q), ("k", tile(K), k), ("G", tile(K), G),
+                                ("beta", vec, beta), ("mq", tile(C), step1["mq"]),
+                                ("da", tile(C), step2["da"]), *extra,
+                                *((f"{name}_in", own(K), partial[name])
+                                  for name in ("dq", "dk", "dg")),
+                                ("dbeta_in", own_vec, partial["dbeta"])):
+            ins.add(name, spec, val)
+        add_row_scales(ins, vec, **rows)
 
-    def across_outs(out, struct):
-        for name in ("dq", "dk", "dg"):
-            out.add(name, sp.tile(K), f32_like(struct, k))
-        out.add("dbeta", sp.vec, f32_like(struct, beta))
+        def outs(out, struct):
+            for name in ("dq", "dk", "dg"):
+                out.add(name, own(K), f32_like(struct, k))
+            out.add("dbeta", own_vec, f32_like(struct, beta))
+
+        res, _ = call(kernel, grid, ins, outs, aliases={
+            "dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"}, **static)
+        return res
 
     across_blocks = across_blocks or ChunkBlocks.grads_across_sub_chunks()
-    step3, _ = call(_across_kernel, (NT, B, HV), across, across_outs,
-                    name="kda_grads_gated_sums", params=across_blocks.params(interpret),
-                    aliases=in_place, dots=dots, blocks=across_blocks)
-
+    step3 = gated_sums(_across_kernel, (NT, B, HV), sp.tile, sp.vec, sp.tile, sp.vec,
+                       dict(dq=step1["dq"], dk=step2["dk"], dg=step2["dg"],
+                            dbeta=step2["dbeta"]),
+                       name="kda_grads_gated_sums", params=across_blocks.params(interpret),
+                       dots=dots, blocks=across_blocks)
     ss = sub_chunk_specs(NT, B, HV, C, blocks.sub_chunks_first)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
-    diagonal = Operands()
-    for name, spec, val in (("q", ss.chunk(K), q), ("k", ss.chunk(K), k), ("G", ss.chunk(K), G),
-                            ("beta", ss.chunk_vec, beta),
-                            ("mq", ss.chunk(C), step1["mq"]), ("da", ss.chunk(C), step2["da"]),
-                            ("mq_flat", ss.square_flat, flat(step1["mq"])),
-                            ("da_flat", ss.square_flat, flat(step2["da"])),
-                            ("dq_in", ss.rows(K), step3["dq"]),
-                            ("dk_in", ss.rows(K), step3["dk"]),
-                            ("dg_in", ss.rows(K), step3["dg"]),
-                            ("dbeta_in", ss.rows_vec, step3["dbeta"])):
-        diagonal.add(name, spec, val)
-    add_row_scales(diagonal, ss.chunk_vec, **rows)
-
-    def diagonal_outs(out, struct):
-        for name in ("dq", "dk", "dg"):
-            out.add(name, ss.rows(K), f32_like(struct, k))
-        out.add("dbeta", ss.rows_vec, f32_like(struct, beta))
-
-    step3, _ = call(_diagonal_kernel, ss.grid, diagonal, diagonal_outs,
-                    name="kda_grads_diagonal_sums", aliases=in_place, gate_bound=gate_bound,
-                    **kw)
+    step3 = gated_sums(_diagonal_kernel, ss.grid, ss.chunk, ss.chunk_vec, ss.rows, ss.rows_vec,
+                       step3, extra=(("mq_flat", ss.square_flat, flat(step1["mq"])),
+                                     ("da_flat", ss.square_flat, flat(step2["da"]))),
+                       name="kda_grads_diagonal_sums", gate_bound=gate_bound, **kw)
     # dg_s = sum_{i >= s} dG_i over the chunk's rows
     dg = lax.cumsum(step3["dg"], axis=3, reverse=True)
     dq, dk = step3["dq"], step3["dk"]
