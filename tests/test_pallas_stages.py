@@ -292,15 +292,16 @@ def test_kda_gate_bound_outside_its_range_is_refused(gate_bound):
 
 def test_kda_sub_chunks_first_launch_order():
     """Under either order of the sub-chunk kernels' grid (sub-chunk first or last, a launch
-    order), the gated sums and the cotangents are the same numbers."""
+    order), the gated sums and the cotangents are the same numbers. Mixed gates, so that
+    the diagonal kernels go pair by pair on some sub-chunks."""
     flipped = lambda blocks: replace(blocks, sub_chunks_first=not blocks.sub_chunks_first)
-    args = kda_chunks(32, 32, 16, "random")
+    args = kda_chunks(32, 32, 16, "mixed")
     want = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True)
     got = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True,
-                                   blocks=flipped(ChunkBlocks.sub_chunk()))
+                                   diagonal_blocks=flipped(ChunkBlocks.sub_chunk()))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
-    args, terms, rest = kda_grads_inputs(32, 32, 16, "random")
+    args, terms, rest = kda_grads_inputs(32, 32, 16, "mixed")
     want = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
     got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True,
                                      blocks=flipped(ChunkBlocks.channel_grads()))
