@@ -195,8 +195,9 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 # 16.62 at T = 32768, H = 64); at K = 256 the intra kernel normalises at no cost but the
 # cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53. KDA's kernels
 # can normalise too (normalize_qk: raw q, k, v in the input dtype, rows scaled as read),
-# which would be normalize_max_k = 256 with narrow_qk; on the H100 that was slower
-# (docs/design.md, KDA), so KDA's q, k reach its kernels normalised by XLA, in float32.
+# which would be normalize_max_k = 256 with narrow_qk; that saves memory but is slower,
+# and bf16 copies normalised by XLA lose too many digits on correlated keys (docs/design.md,
+# KDA), so KDA's q, k reach its kernels normalised by XLA, in float32.
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     #              backend   gate      token_major normalize_max_k narrow_qk narrow_v build
     Implementation("xla", Gate.SCALAR, False, 0, False, False, _xla_stages),

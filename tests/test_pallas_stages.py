@@ -11,6 +11,7 @@ from jaxcp.gate import Gate
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
+from jaxcp.pallas import gate_cumsum
 from jaxcp.pallas import grads_channel as pgrads_channel
 from jaxcp.pallas import intra as pintra
 from jaxcp.pallas import intra_channel
@@ -221,6 +222,27 @@ def kda_chunks(C, K, V, gates, seed=0):
                                     -30.0 * jnp.asarray(rng.random(shape + (K,)), jnp.float32),
                                     jax.nn.log_sigmoid(r(*shape, K) + 2.0))}
     return r(*shape, K), r(*shape, K) / 4, r(*shape, V), g[gates](), jax.nn.sigmoid(r(*shape))
+
+
+@pytest.mark.parametrize("C, K", [(16, 16), (64, 256)])
+def test_kda_gate_cumsum(C, K):
+    """The chunk cumsum and its reverse equal the float64 sums over each chunk's rows; the
+    reverse sums only the rows at and after each row, so rows after 1e6-sized ones keep
+    their own digits (a difference of prefix sums would leave 1e6 * 2^-24 there)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 1, 2, C, K))
+    x[:, :, :, : C // 2] *= 1e6
+    x32 = jnp.asarray(x, jnp.float32)
+    with jax.enable_x64():
+        x64 = x32.astype(jnp.float64)
+        want_G, want_dg = jnp.cumsum(x64, axis=3), jax.lax.cumsum(x64, axis=3, reverse=True)
+        got_G = gate_cumsum.chunk_cumsum(x32, interpret=True)
+        got_dg = gate_cumsum.reverse_chunk_cumsum(x32, interpret=True)
+        assert got_G.dtype == got_dg.dtype == jnp.float32
+        assert rel_err(got_G, want_G) < 1e-6
+        tail = slice(C // 2, None)
+        assert rel_err(got_dg[:, :, :, tail], want_dg[:, :, :, tail]) < 1e-6
+        assert rel_err(got_dg, want_dg) < 1e-6
 
 
 @pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])

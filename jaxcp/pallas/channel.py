@@ -23,8 +23,8 @@ The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j < i:
   (``kda_diagonal_sums``, ``kda_grads_diagonal_sums``). The S steps do not depend on
   each other; each loads one row of G and of the operands.
 
-The factors are differences of the chunk cumsum G (``chunk_cumsum``, read from memory:
-a program needs G at rows it cannot slice out of a register tile), so the row sums and
+The factors are differences of the chunk cumsum G (``gate_cumsum.chunk_cumsum``, read from
+memory: a program needs G at rows it cannot slice out of a register tile), so the row sums and
 the column sums of a pair take the same rounded exponents. Had either taken them from
 partial sums of g instead, they would differ by the cumsum's rounding, and the terms
 q_i R_i - k_j Q_j of dg, which cancel in exact arithmetic, would leave it in every row
@@ -100,11 +100,6 @@ def with_unit_rows(r):
 def row_at(x, i: int):
     """Row i of a [n, d] tile as [1, d] (a masked sum: registers cannot be indexed)."""
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
-
-
-def chunk_cumsum(g):
-    """G = cumsum(g) over each chunk's rows, float32, [..., C, K] (XLA)."""
-    return jnp.cumsum(f32(g), axis=-2)
 
 
 MIN_GATE_BOUND = -5.0
@@ -261,8 +256,8 @@ class SubChunk:
 
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
-    cumsum G (``chunk_cumsum``, read from memory; the module docstring says why): G on the
-    sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1
+    cumsum G (``gate_cumsum.chunk_cumsum``, read from memory; the module docstring says why):
+    G on the sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1
     but those of ``diagonal_factors``."""
 
     def __init__(self, G_ref, cols, sc: SubChunk):

@@ -1,6 +1,7 @@
 """Pallas (Triton-lowered) cotangents of KDA's chunk inputs, in the chunk layout: three
 kernels with one program per (chunk, batch, head), then one with one program per
-(chunk, batch, head, sub-chunk of 16 rows), then dg's reverse cumsum in XLA.
+(chunk, batch, head, sub-chunk of 16 rows), then dg's reverse cumsum
+(``gate_cumsum.reverse_chunk_cumsum``).
 
 Twin of ``jaxcp.xla.grads.chunk_grads`` for the per-channel gate (``Gate.CHANNEL``). Inputs:
 q, k, g [NT, B, HV, C, K], v, do [.., C, V], beta [.., C]; the terms w [.., C, K], u
@@ -47,12 +48,13 @@ from jax.experimental import pallas as pl
 
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
+                                  add_row_scales, check_chunk, check_gate_bound,
                                   diagonal_fits, f32, iota, lower, sub_chunk_axis,
                                   sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
                                  named, refs_type)
 from jaxcp.pallas.config import ChunkBlocks
+from jaxcp.pallas.gate_cumsum import chunk_cumsum, reverse_chunk_cumsum
 from jaxcp.xla.intra import ChunkTerms
 
 
@@ -346,7 +348,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy",
                     aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
 
-    G = chunk_cumsum(g)
+    G = chunk_cumsum(g, interpret=interpret)
 
     def gated_sums(kernel, grid, tile, vec, own, own_vec, partial, extra=(), **static):
         """One kernel of step 3, in place: q, k, G [C, K] and Mq, dA [C, C] under the
@@ -384,7 +386,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
                                      ("da_flat", ss.square_flat, flat(step2["da"]))),
                        name="kda_grads_diagonal_sums", gate_bound=gate_bound, **kw)
     # dg_s = sum_{i >= s} dG_i over the chunk's rows
-    dg = lax.cumsum(step3["dg"], axis=3, reverse=True)
+    dg = reverse_chunk_cumsum(step3["dg"], interpret=interpret)
     dq, dk = step3["dq"], step3["dk"]
     if normalize_qk:
         dq, dk = (jax.vjp(l2_normalize, f32(x))[1](dx)[0] for x, dx in ((q, dq), (k, dk)))

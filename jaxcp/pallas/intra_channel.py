@@ -44,13 +44,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  add_row_scales, check_chunk, check_gate_bound, chunk_cumsum,
+                                  add_row_scales, check_chunk, check_gate_bound,
                                   diagonal_factors, diagonal_fits, f32, lower,
                                   sub_chunk_axis,
                                   sub_chunk_specs, unit_row_scales, with_unit_rows)
 from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
                                  refs_type, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
+from jaxcp.pallas.gate_cumsum import chunk_cumsum
 from jaxcp.xla.intra import ChunkTerms
 
 _AcrossRefs = refs_type("_AcrossRefs", "q k G beta a attn", "q_rows k_rows")
@@ -185,7 +186,7 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     check_gate_bound(gate_bound)
     NT, B, HV, C, K = k.shape
     check_chunk(C)
-    G = chunk_cumsum(g)
+    G = chunk_cumsum(g, interpret=interpret)
     sp = chunk_specs(C, C)
     ins = Operands()
     for name, x in (("q", q), ("k", k), ("G", G)):
