@@ -13,6 +13,13 @@ that call's kernels alone. jaxcp runs ``backend="pallas"``; FLA (its ``chunk_kda
 ``chunk_gated_delta_rule``, fused norm) must be importable. `table` sums each CSV per kernel
 name (``jaxcp.bench.ncu``) and prints one markdown table per LABEL=CSV.
 
+Where ncu cannot profile a run (jaxcp's under ncu crashed on the H200 machines), `run
+--timeline` takes the third call's kernels from torch's profiler instead (CUPTI's activity
+records, which hold every kernel of the process, JAX's included; torch must be importable):
+no ncu, the kernels run as in the benchmark, and it prints the per-kernel time table itself:
+
+    python scripts/profile_kernels.py run --timeline --impl jaxcp --op kda --T 32768 --H 64 --D 128
+
 FLA autotunes its kernels on their first calls, which under ncu ran past 150 s at T = 8192,
 H = 64: run `run --impl fla` (or the benchmark) once without ncu first, on the same machine.
 FLA keeps its autotuning results in triton's disk cache (its FLA_CACHE_RESULTS default), and
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from functools import partial
 
 from jaxcp.cli import OneLineParser
 
@@ -34,6 +42,8 @@ def _parser():
     run.add_argument("--op", choices=("gdn", "kda"), default="kda")
     for flag, default in (("--T", 8192), ("--H", 64), ("--D", 128)):
         run.add_argument(flag, type=int, default=default)
+    run.add_argument("--timeline", action="store_true",
+                     help="record the kernels with torch's profiler, not under ncu")
     table = sub.add_parser("table", help="per-kernel tables from ncu CSVs")
     table.add_argument("runs", nargs="+", metavar="LABEL=CSV")
     return ap
@@ -61,7 +71,22 @@ def _profiled(call) -> None:
     check("cuCtxPopCurrent_v2", ctypes.byref(context))
 
 
-def _run_jaxcp(op: str, T: int, H: int, D: int) -> None:
+def _timeline(call, label: str) -> None:
+    """call() twice, then once under torch's profiler (CUDA activities): print its kernels'
+    times (``ncu.times_markdown``)."""
+    from torch.profiler import ProfilerActivity, profile
+    from jaxcp.bench import ncu
+
+    call()
+    call()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+    kernels = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    print(ncu.times_markdown(label, kernels))
+
+
+def _run_jaxcp(op: str, T: int, H: int, D: int, profiled=_profiled) -> None:
     import jax
     from jaxcp.bench.kernels import jaxcp_inputs, jaxcp_op
     from jaxcp.bench.timing import forward_backward
@@ -70,10 +95,10 @@ def _run_jaxcp(op: str, T: int, H: int, D: int) -> None:
     op_fn = jaxcp_op(op)
     call = lambda *xs: op_fn(*xs, use_qk_l2norm_in_kernel=True, backend="pallas")[0]
     step = jax.jit(forward_backward(call, range(5), do))
-    _profiled(lambda: jax.block_until_ready(step(q, k, v, g, beta)))
+    profiled(lambda: jax.block_until_ready(step(q, k, v, g, beta)))
 
 
-def _run_fla(op: str, T: int, H: int, D: int) -> None:
+def _run_fla(op: str, T: int, H: int, D: int, profiled=_profiled) -> None:
     import torch
     from jaxcp.bench import fla
 
@@ -85,7 +110,7 @@ def _run_fla(op: str, T: int, H: int, D: int) -> None:
         fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].backward(do)
         torch.cuda.synchronize()
 
-    _profiled(call)
+    profiled(call)
 
 
 def _table(ap, runs: list[str]) -> None:
@@ -117,7 +142,10 @@ def main(argv=None) -> int:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         ap.error("run needs an NVIDIA GPU (libcuda.so.1 not found)")
-    (_run_jaxcp if args.impl == "jaxcp" else _run_fla)(args.op, args.T, args.H, args.D)
+    profiled = (partial(_timeline, label=f"{args.impl} {args.op} T={args.T} H={args.H} "
+                                         f"D={args.D}") if args.timeline else _profiled)
+    (_run_jaxcp if args.impl == "jaxcp" else _run_fla)(args.op, args.T, args.H, args.D,
+                                                        profiled)
     return 0
 
 

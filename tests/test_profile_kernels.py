@@ -38,6 +38,14 @@ def test_kernel_times_sum_the_launches_of_each_name():
     assert "Total: 3.100 ms over 3 launches." in table
 
 
+def test_times_markdown_lists_each_kernel_and_the_total():
+    table = ncu.times_markdown("fla", [("chunk_kda_bwd_kernel_intra", 1, 14.959),
+                                       ("l2norm_fwd_kernel", 2, 0.51)])
+    assert "## fla" in table
+    assert "| `chunk_kda_bwd_kernel_intra` | 1 | 14.959 |" in table
+    assert "Total: 15.469 ms over 3 launches." in table
+
+
 def run_script(*args):
     return subprocess.run([sys.executable, "scripts/profile_kernels.py", *args],
                           capture_output=True, text=True)

@@ -1,6 +1,7 @@
 """Per-kernel GPU time and traffic from Nsight Compute's CSV (``ncu --csv --print-units base
 --metrics`` with ``METRICS``), summed per kernel name, and a markdown table of several runs
-side by side (scripts/profile_kernels.py)."""
+side by side; and the table of per-kernel times alone, as torch's profiler records them
+without ncu (scripts/profile_kernels.py)."""
 from __future__ import annotations
 
 import csv
@@ -70,4 +71,14 @@ def markdown(runs: dict[str, list[KernelTime]], width: int = 60) -> str:
         total = sum(k.ns for k in kernels) / 1e6
         lines += ["", f"Total: {total:.3f} ms over {sum(k.launches for k in kernels)} "
                       f"launches.", ""]
+    return "\n".join(lines)
+
+
+def times_markdown(label: str, kernels: list[tuple[str, int, float]], width: int = 60) -> str:
+    """One run's table from (kernel name, launches, summed ms) per name, in the given order:
+    ms and launches per kernel (names cut to width characters), then the total time."""
+    lines = [f"## {label}", "", "| kernel | launches | ms |", "|---|---|---|"]
+    lines += [f"| `{name[:width]}` | {launches} | {ms:.3f} |" for name, launches, ms in kernels]
+    total = sum(ms for _, _, ms in kernels)
+    lines += ["", f"Total: {total:.3f} ms over {sum(n for _, n, _ in kernels)} launches.", ""]
     return "\n".join(lines)
