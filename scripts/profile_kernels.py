@@ -86,7 +86,7 @@ def _timeline(call, label: str) -> None:
     print(ncu.times_markdown(label, kernels))
 
 
-def _run_jaxcp(op: str, T: int, H: int, D: int, profiled=_profiled) -> None:
+def _run_jaxcp(op: str, T: int, H: int, D: int, profiled) -> None:
     import jax
     from jaxcp.bench.kernels import jaxcp_inputs, jaxcp_op
     from jaxcp.bench.timing import forward_backward
@@ -98,7 +98,7 @@ def _run_jaxcp(op: str, T: int, H: int, D: int, profiled=_profiled) -> None:
     profiled(lambda: jax.block_until_ready(step(q, k, v, g, beta)))
 
 
-def _run_fla(op: str, T: int, H: int, D: int, profiled=_profiled) -> None:
+def _run_fla(op: str, T: int, H: int, D: int, profiled) -> None:
     import torch
     from jaxcp.bench import fla
 

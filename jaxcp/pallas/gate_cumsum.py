@@ -5,8 +5,8 @@
 
 over the C rows of each chunk c, per channel d, in float32; x [NT, B, HV, C, K] in the chunk
 layout. One program per (chunk, batch, head, block of columns) scans its [C, bk] tile
-(``jnp.cumsum`` over the rows, Triton's associative scan: the same sums, in the same order,
-as the scans of ``channel.ChannelBlock`` inside the other KDA kernels). The reverse scans
+(``jnp.cumsum`` over the rows, Triton's associative scan: the scan ``channel.ChannelBlock``
+runs on its tiles inside the other KDA kernels). The reverse scans
 the rows loaded last to first and stores them back in that order, so each dg_s sums only
 the rows at and after s (no difference of two prefix sums, whose rounding would be that of
 the whole chunk's sum). XLA's cumsum over 64 rows took 1.57 ms at T = 32768, H = 64, K = 128
@@ -46,8 +46,9 @@ def _scan(x: jax.Array, *, reverse: bool, interpret: bool) -> jax.Array:
     ins.add("x", spec, x)
     outs = lambda out, struct: out.add("y", spec, struct(x.shape, jnp.float32))
     name = "kda_reverse_chunk_cumsum" if reverse else "kda_chunk_cumsum"
+    blocks = ChunkBlocks(col_block=bk, num_warps=4, num_stages=1)
     res, _ = call(_cumsum_kernel, (NT, B, HV, K // bk), ins, outs, name=name,
-                  params=ChunkBlocks(bk, 4, 1).params(interpret), reverse=reverse)
+                  params=blocks.params(interpret), reverse=reverse)
     return res["y"]
 
 

@@ -180,9 +180,9 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     ``ChunkBlocks.across_sub_chunks`` if None) but the diagonal blocks of sub-chunks that
     do not ``diagonal_fits``, which ``kda_diagonal_sums`` writes in place (one program per
     (chunk, batch, head, sub-chunk of 16 rows); diagonal_blocks, ``ChunkBlocks.sub_chunk``
-    if None; not launched under a gate bound). q_rows, k_rows [NT, B, HV, C] (both or neither): the rows of q, k are
-    taken times them (``channel.RowScaled``). Shapes, gate_bound and precise as in
-    ``intra_chunk``."""
+    if None; not launched under a gate bound). q_rows, k_rows [NT, B, HV, C] (both or
+    neither): the rows of q, k are taken times them (``channel.RowScaled``). Shapes,
+    gate_bound and precise as in ``intra_chunk``."""
     check_gate_bound(gate_bound)
     NT, B, HV, C, K = k.shape
     check_chunk(C)
