@@ -2,9 +2,10 @@
 
 Inputs are in chunk layout (``layout.to_chunks``): q, k [NT, B, HV, C, K], v [NT, B, HV, C, V]
 float32, g [NT, B, HV, C, Kg], beta [NT, B, HV, C] float32; or, for a token-major
-implementation (``stages.Implementation``; the Pallas GDN kernels), as the caller has them,
+implementation (``stages.Implementation``; the Pallas kernels), as the caller has them,
 [B, T, HV, ...] (q, k, v bf16 for bf16 inputs), each chunk read in place at the rows the
-layout gives it; initial states [N, HV, K, V] float32 or None.
+layout gives it, and for the Pallas KDA stages g is G, the gate's chunk cumsum
+[NT, B, HV, C, K] (``stages``, gate_cumsum); initial states [N, HV, K, V] float32 or None.
 
 Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
@@ -39,7 +40,8 @@ class CoreConfig:
     [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
     normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C.
     gate_bound: a bound every decay respects, or None; unit_qk: the rows of q, k have unit
-    L2 norm (``stages.StageOptions``)."""
+    L2 norm; tokens: T of the token tensors where the stages need it told
+    (``stages.StageOptions``)."""
     scale: float
     output_final_state: bool
     gate: Gate
@@ -51,11 +53,12 @@ class CoreConfig:
     chunk_size: int = 64
     gate_bound: float | None = None
     unit_qk: bool = False
+    tokens: int | None = None
 
     @property
     def stages(self) -> Stages:
         return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
-                          self.chunk_size, self.gate_bound, self.unit_qk)
+                          self.chunk_size, self.gate_bound, self.unit_qk, self.tokens)
 
 
 def _zero_state(terms: ChunkTerms) -> jax.Array:

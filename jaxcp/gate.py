@@ -13,6 +13,7 @@ that width: every stage and kernel is told it.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +36,47 @@ class Gate(enum.Enum):
         return (B, T, HV) if self is Gate.SCALAR else (B, T, HV, K)
 
 
+class DecayTerms(NamedTuple):
+    """The decay y and its derivatives at one gate input, elementwise (``decay_terms``)."""
+    decay: jax.Array
+    d_input: jax.Array       # dy / d(g_raw + dt_bias)
+    d_log_a: jax.Array       # dy / dA_log
+
+
+def softplus(x):
+    """log(1 + e^x), in the form that neither overflows nor loses x's digits (XLA's)."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def decay_terms(x, a, lower_bound: float | None) -> DecayTerms:
+    """The decay of x = g_raw + dt_bias (float32) and its derivatives, with a = exp(A_log)
+    broadcast to x (None: no A_log, with lower_bound only):
+
+        lower_bound None:  y = -a softplus(x),        dy/dx = -a sigmoid(x),
+                           dy/dA_log = y
+        lower_bound lb:    s = sigmoid(a x),  y = lb s,  dy/dx = lb s (1 - s) a,
+                           dy/dA_log = lb s (1 - s) a x
+
+    Plain elementwise jnp: XLA runs it in ``decay_from_raw``, the Pallas gate kernels
+    (``pallas.gate_cumsum``) inside their tiles; unused terms cost nothing in either."""
+    if lower_bound is None:
+        y = -a * softplus(x)
+        return DecayTerms(y, -a * sigmoid(x), y)
+    s = sigmoid(x if a is None else a * x)
+    slope = lower_bound * s * (1.0 - s)
+    if a is None:
+        return DecayTerms(lower_bound * s, slope, jnp.zeros_like(x))
+    return DecayTerms(lower_bound * s, slope * a, slope * a * x)
+
+
 def decay_from_raw(gate: Gate, g_raw: jax.Array, A_log: jax.Array | None,
                    dt_bias: jax.Array | None, lower_bound: float | None = None) -> jax.Array:
     """The decay from the raw gate input, float32 in g_raw's shape (FLA's contract for
-    ``use_gate_in_kernel``):
+    ``use_gate_in_kernel``; ``decay_terms``):
 
         g = -exp(A_log) * softplus(g_raw + dt_bias)                (lower_bound None)
         g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))  (KDA, lower_bound < 0;
@@ -54,6 +92,4 @@ def decay_from_raw(gate: Gate, g_raw: jax.Array, A_log: jax.Array | None,
     a = None if A_log is None else jnp.exp(A_log.astype(jnp.float32))
     if a is not None and gate is Gate.CHANNEL:
         a = a[:, None]
-    if lower_bound is None:
-        return -a * jax.nn.softplus(x)
-    return lower_bound * jax.nn.sigmoid(x if a is None else a * x)
+    return decay_terms(x, a, lower_bound).decay

@@ -11,18 +11,24 @@ from jaxcp.core import CoreConfig, chunk_delta_rule
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
+from jaxcp.pallas.gate_cumsum import GateCumsum, chunk_gate
 from jaxcp.stages import implementation, resolve_backend
 
 
 def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_final_state,
               cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend,
-              gate_bound=None):
+              gate_bound=None, activation=None):
+    """activation: None (g is the decay), or (A_log, dt_bias, lower_bound) of the gate
+    activation that turns the raw g into the decay (``gate.decay_from_raw``): inside the
+    gate kernel where the stages take G (``stages``), else by XLA here."""
     world = check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                          chunk_size=chunk_size, backend=backend)
     if cu_seqlens is not None and cu_seqlens.shape[0] == 2:
         cu_seqlens = None        # one sequence, [0, T): the same as B = 1 without cu_seqlens
     if cp_axis is not None and cp_strategy == "all_to_all":
+        if activation is not None:      # A_log and dt_bias are per head: split with them
+            g, activation = decay_from_raw(gate, g, *activation), None
         run = lambda q, k, v, g, beta, h0: _chunk_op(
             gate, q, k, v, g, beta, scale=scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -43,26 +49,34 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
     if use_qk_l2norm_in_kernel and not normalize_in_kernels:
         q, k = l2_normalize(q), l2_normalize(k)
     q, k = (jnp.repeat(x.astype(impl.qk_dtype(dot_dtype)), HV // H, axis=2) for x in (q, k))
-    g = f32(g)[..., None] if gate is Gate.SCALAR else f32(g)
 
     device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     layout, token_map = build_layout(B, T, chunk_size, cu_seqlens, device_start, T * world)
+    NT = num_chunks(T, chunk_size, n_seqs)
     if impl.token_major:
         chunk = unchunk = lambda x: x
     else:
-        NT = num_chunks(T, chunk_size, n_seqs)
         chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
         unchunk = lambda y: from_chunks(y, token_map, T)
+    if impl.gate_cumsum:
+        A_log, dt_bias, lower_bound = activation or (None, None, None)
+        cumsum = GateCumsum(chunk_size, NT, activate=activation is not None,
+                            lower_bound=lower_bound, interpret=backend == "interpret")
+        g = chunk_gate(cumsum, g, A_log, dt_bias, layout)
+    else:
+        if activation is not None:
+            g = decay_from_raw(gate, g, *activation)
+        g = chunk(f32(g)[..., None] if gate is Gate.SCALAR else f32(g))
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
                      cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
                      dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
                      chunk_size=chunk_size, gate_bound=gate_bound,
-                     unit_qk=use_qk_l2norm_in_kernel)
+                     unit_qk=use_qk_l2norm_in_kernel, tokens=T if impl.token_major else None)
     v_in = v.astype(impl.v_dtype(dot_dtype))
-    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v_in), chunk(g),
-                                chunk(f32(beta)), init, layout)
+    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v_in), g, chunk(f32(beta)),
+                                init, layout)
     if final is not None and cp_axis is not None:
         final = lax.psum(final, cp_axis)
     return unchunk(o).astype(v.dtype), final
@@ -117,12 +131,11 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
                            backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
     check_gate_activation(Gate.SCALAR, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias)
-    if use_gate_in_kernel:
-        g = decay_from_raw(Gate.SCALAR, g, A_log, dt_bias)
     return _chunk_op(Gate.SCALAR, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend)
+                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend,
+                     activation=(A_log, dt_bias, None) if use_gate_in_kernel else None)
 
 
 def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
@@ -136,16 +149,16 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
                           lower_bound=lower_bound)
-    gate_bound = None
+    gate_bound = activation = None
     if use_gate_in_kernel:
-        g = decay_from_raw(Gate.CHANNEL, g, A_log, dt_bias, lower_bound)
+        activation = (A_log, dt_bias, None if lower_bound is None else float(lower_bound))
         # the decay lies in (lower_bound, 0): with safe_gate the kernels may rely on it
         gate_bound = float(lower_bound) if safe_gate else None
     return _chunk_op(Gate.CHANNEL, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend,
-                     gate_bound=gate_bound)
+                     gate_bound=gate_bound, activation=activation)
 
 
 _GDN_GATE_DOC = """

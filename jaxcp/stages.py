@@ -6,11 +6,11 @@ public op asks it for its policy (the I/O dtype of q, k, v, token-major tensors 
 chunk layout, whether q, k are L2-normalised inside the kernels) and the core runs the
 ``Stages`` it builds. The entries:
 
-| backend  | gate    | intra-chunk terms, input cotangents | state recurrences | token-major |
-|----------|---------|-------------------------------------|-------------------|-------------|
-| "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no          |
-| "pallas" | SCALAR  | Pallas (``pallas.intra``, ``grads``) | Pallas (``pallas.state``) | yes  |
-| "pallas" | CHANNEL | Pallas (``pallas.intra_channel``, ``grads_channel``) | Pallas | no |
+| backend  | gate    | intra-chunk terms, input cotangents | state recurrences | token-major | G |
+|----------|---------|-------------------------------------|-------------------|-------------|---|
+| "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no          | no |
+| "pallas" | SCALAR  | Pallas (``pallas.intra``, ``grads``) | Pallas (``pallas.state``) | yes  | no |
+| "pallas" | CHANNEL | Pallas (``pallas.intra_channel``, ``grads_channel``) | Pallas | yes | yes |
 
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant is
@@ -20,7 +20,12 @@ token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents 
 [B, T, HV, ...] as the caller has them, and the kernels read and write each chunk in place,
 at the rows the ``ChunkLayout`` gives it (packed sequences included); otherwise they are
 gathered into the chunk layout [NT, B, HV, C, ...] like the terms. Stages take the layout
-after ``scale``. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
+after ``scale``.
+
+G (``gate_cumsum``): the stages take the gate as G, its cumsum over each chunk's rows in
+the chunk layout [NT, B, HV, C, K], which the op computes first with a Pallas kernel
+(``pallas.gate_cumsum.chunk_gate``, the gate activation inside it), and their dg is dG;
+the kernel's backward takes dG to the gate. Otherwise g is the per-token decay. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
 whose bare q, k are the token tensors as given.
 """
 from __future__ import annotations
@@ -66,7 +71,9 @@ class StageOptions:
     diagonal sub-chunk block as products without checking (``pallas.channel``); the
     others ignore it.
     unit_qk: every row of q and k has unit L2 norm (the op normalised them, or the kernels
-    do), which bounds the terms that KDA's Pallas stages then keep in float16."""
+    do), which bounds the terms that KDA's Pallas stages then keep in float16.
+    tokens: T, the length of the token tensors, for a token-major implementation whose
+    terms do not carry it (KDA's state_output writes o [B, T, HV, V]); None otherwise."""
     gate: Gate
     interpret: bool = False
     dot_dtype: str = "float32"
@@ -74,6 +81,7 @@ class StageOptions:
     chunk_size: int = 64
     gate_bound: float | None = None
     unit_qk: bool = False
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,10 +91,12 @@ class Implementation:
     for K up to this (0: never; the op normalises with XLA first). narrow_qk, narrow_v: q
     and k, and v, reach the kernels in bf16 when the inputs are bf16 (else float32; v is
     never transformed before the kernels, so bf16 v is exact where they read it as
-    float32). build: the Stages for a StageOptions."""
+    float32). gate_cumsum: the stages take G and return dG (module docstring). build: the
+    Stages for a StageOptions."""
     backend: str
     gate: Gate
     token_major: bool
+    gate_cumsum: bool
     normalize_max_k: int
     narrow_qk: bool
     narrow_v: bool
@@ -115,15 +125,16 @@ def _xla_stages(o: StageOptions) -> Stages:
                   xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
-def _pallas_state_stages(o: StageOptions, token_major: bool, **options) -> dict:
-    """The state recurrences as Pallas kernels (both gates); options: the kernels' products
-    (how their fp32 tiles meet the state, ``common.Fp32Products``) and blocks
-    (``StateBlocks``) where not their defaults."""
+def _pallas_state_stages(o: StageOptions, **options) -> dict:
+    """The state recurrences as Pallas kernels (both gates), token-major (o, do); options:
+    the kernels' products (how their fp32 tiles meet the state, ``common.Fp32Products``)
+    and blocks (``StateBlocks``) where not their defaults."""
     from jaxcp.pallas import state
-    kw = dict(gate=o.gate, token_major=token_major, interpret=o.interpret,
+    kw = dict(gate=o.gate, token_major=True, interpret=o.interpret,
               dot_dtype=jnp.dtype(o.dot_dtype), **options)
-    return {name: partial(getattr(state, name), **kw) for name in (
-        "state_output", "state_fwd", "state_last", "cp_summary", "state_bwd")}
+    stages = {name: partial(getattr(state, name), **kw) for name in (
+        "state_fwd", "state_last", "cp_summary", "state_bwd")}
+    return dict(stages, state_output=partial(state.state_output, tokens=o.tokens, **kw))
 
 
 def _pallas_scalar_stages(o: StageOptions) -> Stages:
@@ -144,13 +155,13 @@ def _pallas_scalar_stages(o: StageOptions) -> Stages:
         return grads.chunk_grads(q, k, v, g, beta, scale, layout, o.chunk_size, *rest, **kw)
 
     return Stages(intra=intra, keep=pintra.kept_for_w_u, intra_again=intra_again,
-                  chunk_grads=chunk_grads, **_pallas_state_stages(o, token_major=True))
+                  chunk_grads=chunk_grads, **_pallas_state_stages(o))
 
 
 def _pallas_channel_stages(o: StageOptions) -> Stages:
-    """KDA: every stage a Pallas kernel, in the chunk layout. The forward keeps T and attn;
-    the backward computes w, u and the factor tiles again from T (``intra_channel``), and
-    its input cotangents read T (``grads_channel``)."""
+    """KDA: every stage a Pallas kernel, token-major, taking G. The forward keeps T and
+    attn; the backward computes w, u and the factor tiles again from T
+    (``intra_channel``), and its input cotangents read T (``grads_channel``)."""
     from jaxcp.pallas import grads_channel, intra_channel
     from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import StateBlocks
@@ -162,18 +173,19 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     kw = dict(normalize_qk=o.normalize_qk, interpret=o.interpret, precise=precise,
               tile_dtype=tile_dtype)
 
-    def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
-        return intra_channel.intra_chunk(q, k, v, g, beta, scale, with_inverse=with_inverse,
-                                         gate_bound=o.gate_bound, **kw)
+    def intra(q, k, v, G, beta, scale, layout, with_inverse=False):
+        return intra_channel.intra_chunk(q, k, v, G, beta, scale, layout,
+                                         with_inverse=with_inverse, gate_bound=o.gate_bound,
+                                         **kw)
 
-    def intra_again(q, k, v, g, beta, scale, layout, kept):
-        return intra_channel.recompute_terms(q, k, v, g, beta, scale, kept, **kw)
+    def intra_again(q, k, v, G, beta, scale, layout, kept):
+        return intra_channel.recompute_terms(q, k, v, G, beta, scale, layout, kept, **kw)
 
     # Products that keep fp32 tiles finer than bf16 for every input dtype (TF32 for bf16
     # inputs): with bf16 products, correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the
     # reference on the H100 (TF32: 2.8e-3; gpu_checks.md)
-    def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
-        return grads_channel.chunk_grads(q, k, v, g, beta, scale, *rest,
+    def chunk_grads(q, k, v, G, beta, scale, layout, *rest):
+        return grads_channel.chunk_grads(q, k, v, G, beta, scale, layout, *rest,
                                          gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
                                          interpret=o.interpret, precise=True,
                                          products=products)
@@ -183,8 +195,7 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
     # (docs/precision.md).
-    state = _pallas_state_stages(replace(o, dot_dtype="float32"), token_major=False,
-                                 products=products, blocks=StateBlocks.channel(),
+    state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products, blocks=StateBlocks.channel(),
                                  tile_dtype=tile_dtype)
     return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)
@@ -199,11 +210,11 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
 # and bf16 copies normalised by XLA lose too many digits on correlated keys (docs/design.md,
 # KDA), so KDA's q, k reach its kernels normalised by XLA, in float32.
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
-    #              backend   gate      token_major normalize_max_k narrow_qk narrow_v build
-    Implementation("xla", Gate.SCALAR, False, 0, False, False, _xla_stages),
-    Implementation("xla", Gate.CHANNEL, False, 0, False, False, _xla_stages),
-    Implementation("pallas", Gate.SCALAR, True, 128, True, True, _pallas_scalar_stages),
-    Implementation("pallas", Gate.CHANNEL, False, 0, False, True, _pallas_channel_stages),
+    #     backend   gate     token_major gate_cumsum normalize_max_k narrow_qk narrow_v build
+    Implementation("xla", Gate.SCALAR, False, False, 0, False, False, _xla_stages),
+    Implementation("xla", Gate.CHANNEL, False, False, 0, False, False, _xla_stages),
+    Implementation("pallas", Gate.SCALAR, True, False, 128, True, True, _pallas_scalar_stages),
+    Implementation("pallas", Gate.CHANNEL, True, True, 0, False, True, _pallas_channel_stages),
 )}
 
 
@@ -224,11 +235,13 @@ def implementation(backend: str, gate: Gate) -> Implementation:
 @lru_cache(maxsize=None)
 def stages_for(backend: str, gate: Gate, dot_dtype: str = "float32",
                normalize_qk: bool = False, chunk_size: int = 64,
-               gate_bound: float | None = None, unit_qk: bool = False) -> Stages:
+               gate_bound: float | None = None, unit_qk: bool = False,
+               tokens: int | None = None) -> Stages:
     """The Stages of (backend, gate) built for these settings (see ``StageOptions``)."""
     impl = implementation(backend, gate)
     if normalize_qk and impl.normalize_max_k == 0:
         raise ValueError(f"normalize_qk: the {impl.backend} stages for the {gate.value} gate "
                          f"do not normalise q, k themselves")
     return impl.build(StageOptions(gate, backend == "interpret", dot_dtype, normalize_qk,
-                                   chunk_size, gate_bound, unit_qk or normalize_qk))
+                                   chunk_size, gate_bound, unit_qk or normalize_qk,
+                                   tokens))

@@ -23,7 +23,7 @@ The chunk's C rows are cut into sub-chunks of S = 16 rows. A pair (i, j), j < i:
   (``kda_diagonal_sums``, ``kda_grads_diagonal_sums``). The S steps do not depend on
   each other; each loads one row of G and of the operands.
 
-The factors are differences of the chunk cumsum G (``gate_cumsum.chunk_cumsum``, read from
+The factors are differences of the chunk cumsum G (``gate_cumsum.chunk_gate``, read from
 memory: a program needs G at rows it cannot slice out of a register tile), so the row sums and
 the column sums of a pair take the same rounded exponents. Had either taken them from
 partial sums of g instead, they would differ by the cumsum's rounding, and the terms
@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.l2norm import l2_row_scales
+from jaxcp.pallas.tokens import ChunkRows, chunk_refs, slab_spec
 
 SUB_CHUNK = 16
 
@@ -97,6 +98,13 @@ def with_unit_rows(r):
     return r._replace(**scaled)
 
 
+def in_place(r, rows: ChunkRows, names: tuple[str, ...]):
+    """The kernel refs r with the token slabs among `names` read and written as this
+    program's rows (``tokens.ChunkRef``), and q, k L2-normalised where their row scales are
+    operands (``with_unit_rows``)."""
+    return with_unit_rows(chunk_refs(r, rows, names))
+
+
 def row_at(x, i: int):
     """Row i of a [n, d] tile as [1, d] (a masked sum: registers cannot be indexed)."""
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
@@ -143,13 +151,13 @@ def check_chunk(C: int) -> None:
 
 class ChannelBlock:
     """The bk key columns from start of a whole-chunk program's [C, K] tiles: their slice,
-    a loader of the block of a [C, K] ref, and the gate terms G = cumsum(g) and, when read,
-    exp(G), exp(G_C - G) and exp(G_C) [1, bk]. G_C is the cumsum's own last row, so that
-    G_C - G is rounded as G is."""
+    a loader of the block of a [C, K] ref, and the gate terms: G, the chunk cumsum
+    (``gate_cumsum.chunk_gate``), and, when read, exp(G), exp(G_C - G) and exp(G_C)
+    [1, bk]. G_C is G's own last row, so that G_C - G is rounded as G is."""
 
-    def __init__(self, g_ref, start, bk: int):
+    def __init__(self, G_ref, start, bk: int):
         self.cols = pl.ds(start, bk)
-        self.G = jnp.cumsum(f32(g_ref[:, self.cols]), axis=0)
+        self.G = f32(G_ref[:, self.cols])
 
     @cached_property
     def _G_last(self):
@@ -173,16 +181,19 @@ class ChannelBlock:
 
 class SubChunkSpecs(NamedTuple):
     """The grid of one program per (chunk, batch, head, sub-chunk), in the order
-    ``sub_chunk_axis`` gives, and its BlockSpecs on chunk-layout arrays: `chunk(d)` the
-    whole chunk [C, d] of [NT, B, HV, C, d], `chunk_vec` [C] of [NT, B, HV, C],
-    `square_flat` a [C, C] matrix per chunk as [NT, B, HV, C * C]; `rows(d)` and
-    `rows_vec` the program's sub-chunk, S rows."""
+    ``sub_chunk_axis`` gives, and its BlockSpecs: `chunk(d)` the whole chunk [C, d] of a
+    chunk-layout [NT, B, HV, C, d], `square_flat` a [C, C] matrix per chunk as
+    [NT, B, HV, C * C], `rows(d)` the program's sub-chunk, S rows of a chunk-layout array;
+    `token(d)` the [T, d] slab of a token tensor [B, T, HV, d] (d None: [B, T, HV]) and
+    `chunk_rows` the layout's token_start, token_count [NT, B] (``common.ChunkSpecs``).
+    chunk_axis: the grid axis of the chunk."""
     grid: tuple
+    chunk_axis: int
     chunk: Callable
-    chunk_vec: pl.BlockSpec
     square_flat: pl.BlockSpec
     rows: Callable
-    rows_vec: pl.BlockSpec
+    token: Callable
+    chunk_rows: pl.BlockSpec
 
 
 def sub_chunk_axis(sub_chunks_first: bool) -> int:
@@ -194,7 +205,13 @@ def sub_chunk_axis(sub_chunks_first: bool) -> int:
     return 0 if sub_chunks_first else 3
 
 
-def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) -> SubChunkSpecs:
+def chunk_axis(sub_chunks_first: bool) -> int:
+    """The grid axis of the chunk in a sub-chunk kernel's grid (``sub_chunk_axis``)."""
+    return 1 if sub_chunks_first else 0
+
+
+def sub_chunk_specs(NT: int, B: int, HV: int, C: int, T: int,
+                    sub_chunks_first: bool) -> SubChunkSpecs:
     S = SUB_CHUNK
     grid = (NT, B, HV, C // S)
     if sub_chunks_first:
@@ -208,14 +225,15 @@ def sub_chunk_specs(NT: int, B: int, HV: int, C: int, sub_chunks_first: bool) ->
 
     return SubChunkSpecs(
         grid=grid,
+        chunk_axis=chunk_axis(sub_chunks_first),
         chunk=lambda d: pl.BlockSpec((None, None, None, C, d),
                                      at(lambda t, b, h, s: (t, b, h, 0, 0))),
-        chunk_vec=pl.BlockSpec((None, None, None, C), at(lambda t, b, h, s: (t, b, h, 0))),
         square_flat=pl.BlockSpec((None, None, None, C * C),
                                  at(lambda t, b, h, s: (t, b, h, 0))),
         rows=lambda d: pl.BlockSpec((None, None, None, S, d),
                                     at(lambda t, b, h, s: (t, b, h, s, 0))),
-        rows_vec=pl.BlockSpec((None, None, None, S), at(lambda t, b, h, s: (t, b, h, s))),
+        token=lambda d: slab_spec(T, d, at(lambda t, b, h, s: (b, h, 0))),
+        chunk_rows=pl.BlockSpec((1, 1), at(lambda t, b, h, s: (t, b))),
     )
 
 
@@ -256,7 +274,7 @@ class SubChunk:
 
 class ChannelGates:
     """Gate terms of one block of channels (cols) for a sub-chunk program, from the chunk
-    cumsum G (``gate_cumsum.chunk_cumsum``, read from memory; the module docstring says why):
+    cumsum G (``gate_cumsum.chunk_gate``, read from memory; the module docstring says why):
     G on the sub-chunk's rows [S, bk] and on its first and last rows [1, bk]. Every factor is <= 1
     but those of ``diagonal_factors``."""
 

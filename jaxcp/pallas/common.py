@@ -317,9 +317,9 @@ def add_chunk_rows(ins: Operands, sp: ChunkSpecs, layout) -> None:
         ins.add("token_count", sp.chunk_rows, layout.token_count)
 
 
-def rows_of_chunk(refs, C: int) -> ChunkRows:
-    """The rows of this program's chunk (grid axis 0) in the token slabs: from the refs'
-    token_start, token_count [1, 1] when the layout has a table, else c C on."""
+def rows_of_chunk(refs, C: int, chunk_axis: int = 0) -> ChunkRows:
+    """The rows of this program's chunk (grid axis chunk_axis) in the token slabs: from the
+    refs' token_start, token_count [1, 1] when the layout has a table, else c C on."""
     if refs.token_start is None:
-        return ChunkRows(pl.program_id(0) * C, None, C)
+        return ChunkRows(pl.program_id(chunk_axis) * C, None, C)
     return ChunkRows(refs.token_start[0, 0], refs.token_count[0, 0], C)

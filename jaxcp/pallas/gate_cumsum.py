@@ -1,64 +1,203 @@
-"""KDA's chunk cumsum of the gate and, for the backward, its reverse, as Pallas kernels.
+"""KDA's gate as Pallas kernels: the chunk cumsum G of the decay, read from the token-major
+gate in place and with the gate activation applied on the way (``use_gate_in_kernel``),
+and its backward.
 
-    forward:  G[c, s, d] = sum_{i <= s} g[c, i, d]    (``chunk_cumsum``)
-    backward: dg[c, s, d] = sum_{i >= s} dG[c, i, d]  (``reverse_chunk_cumsum``)
+    forward:  y = decay(g)  (the identity, or ``gate.decay_terms`` of g + dt_bias)
+              G[c, s, d] = sum_{i <= s} y[c, i, d]          (``kda_gate_cumsum``)
+    backward: dy[c, s, d] = sum_{i >= s} dG[c, i, d]         (``kda_gate_cumsum_bwd``)
+              dg = dy dy/dx,  dA_log = sum dy dy/dA_log,  ddt_bias = sum dg
 
-over the C rows of each chunk c, per channel d, in float32; x [NT, B, HV, C, K] in the chunk
-layout. One program per (chunk, batch, head, block of columns) scans its [C, bk] tile
-(``jnp.cumsum`` over the rows, Triton's associative scan: the scan ``channel.ChannelBlock``
-runs on its tiles inside the other KDA kernels). The reverse scans
-the rows loaded last to first and stores them back in that order, so each dg_s sums only
-the rows at and after s (no difference of two prefix sums, whose rounding would be that of
-the whole chunk's sum). XLA's cumsum over 64 rows took 1.57 ms at T = 32768, H = 64, K = 128
-on the H200, about three times the bytes' time.
+g [B, T, HV, K] is read where the caller has it (chunk c at the layout's rows,
+``pallas.tokens``; rows past the chunk's tokens are padding, y = 0 there), G is written in
+the chunk layout [NT, B, HV, C, K] float32: the KDA kernels read G at rows they cannot
+slice out of a register tile (``pallas.channel``), and padding rows hold the chunk's last
+G, as a cumsum of zeros does. One program per (chunk, batch, head, block of columns). The
+forward scans its [C, bk] tile with ``jnp.cumsum`` (the scan ``channel.ChannelBlock`` runs
+on its tiles inside the other KDA kernels). The backward's reverse cumsum is a product with
+the upper triangle of ones (Triton has no reverse scan): dy_s sums only the rows at and
+after s, each to the product's precision (3xTF32: 2^-22 relative per term; IEEE in
+interpret mode), never a difference of two prefix sums, whose rounding would be that of
+the whole chunk's sum. The activation's parameter cotangents leave the kernel as partial
+sums per (chunk, batch, head, column) and XLA adds them up.
+
+The gate's cumsum has the same float32 rounding as the jnp stages: a chunk that mixes gates
+of -1e3 with gates near 0 keeps about 2.7e-4 of the small ones' relative accuracy in G
+(docs/precision.md).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.common import Operands, call
+from jaxcp.gate import decay_terms
+from jaxcp.layout import ChunkLayout
+from jaxcp.pallas.common import (Operands, add_chunk_rows, call, fp32_precision, named,
+                                 refs_type, rows_of_chunk)
 from jaxcp.pallas.config import ChunkBlocks
+from jaxcp.pallas.tokens import slab_spec
 
 # columns per program: a [64, 64] float32 tile is 32 registers per thread at 4 warps
 CUMSUM_COLS = 64
 
 
-def _cumsum_kernel(*refs, names, reverse: bool):
-    x_ref, y_ref = refs
-    rows = x_ref.shape[0]
-    if reverse:
-        order = rows - 1 - lax.broadcasted_iota(jnp.int32, (rows,), 0)
-        y_ref[order, :] = jnp.cumsum(x_ref[order, :].astype(jnp.float32), axis=0)
-    else:
-        y_ref[...] = jnp.cumsum(x_ref[...].astype(jnp.float32), axis=0)
+@dataclass(frozen=True)
+class GateCumsum:
+    """Static settings of one gate: chunk_size C and n_chunks NT of the layout; activate:
+    g is the raw gate input and the decay is ``gate.decay_terms`` of it (with A_log and
+    dt_bias where given, lower_bound as FLA's); else g is the decay itself."""
+    chunk_size: int
+    n_chunks: int
+    activate: bool = False
+    lower_bound: float | None = None
+    interpret: bool = False
 
 
-def _scan(x: jax.Array, *, reverse: bool, interpret: bool) -> jax.Array:
-    NT, B, HV, C, K = x.shape
+_Refs = refs_type("_Refs", "", "g token_start token_count a bias dG G dg d_log_a d_bias")
+
+
+def _decay(r, x, cfg: GateCumsum):
+    """decay_terms of the raw tile x [C, bk] with this program's a and bias [bk]."""
+    x = x.astype(jnp.float32)
+    if r.bias is not None:
+        x = x + r.bias[...][None, :]
+    a = None if r.a is None else r.a[...][None, :]
+    return decay_terms(x, a, cfg.lower_bound)
+
+
+def _forward_kernel(*refs, names, cfg: GateCumsum):
+    r = named(_Refs, names, refs)
+    rows = rows_of_chunk(r, cfg.chunk_size)
+    y = rows.load(r.g).astype(jnp.float32)
+    if cfg.activate:
+        y = _decay(r, y, cfg).decay
+        valid = rows.valid()
+        if valid is not None:
+            y = y * valid[:, None]
+    r.G[...] = jnp.cumsum(y, axis=0)
+
+
+def _backward_kernel(*refs, names, cfg: GateCumsum):
+    r = named(_Refs, names, refs)
+    C = cfg.chunk_size
+    rows = rows_of_chunk(r, C)
+    at_or_after = (lax.broadcasted_iota(jnp.int32, (C, C), 1)
+                   >= lax.broadcasted_iota(jnp.int32, (C, C), 0)).astype(jnp.float32)
+    dy = jnp.dot(at_or_after, r.dG[...], preferred_element_type=jnp.float32,
+                 precision=fp32_precision(cfg.interpret))
+    if not cfg.activate:
+        rows.store(r.dg, dy)
+        return
+    terms = _decay(r, rows.load(r.g), cfg)
+    valid = rows.valid()
+    if valid is not None:
+        dy = dy * valid[:, None]
+    dx = dy * terms.d_input
+    rows.store(r.dg, dx)
+    r.d_bias[...] = jnp.sum(dx, axis=0)
+    if r.d_log_a is not None:
+        r.d_log_a[...] = jnp.sum(dy * terms.d_log_a, axis=0)
+
+
+def _specs(cfg: GateCumsum, T: int, bk: int):
+    C = cfg.chunk_size
+    return dict(
+        token=slab_spec(T, bk, lambda t, b, h, j: (b, h, j)),
+        chunk=pl.BlockSpec((None, None, None, C, bk), lambda t, b, h, j: (t, b, h, 0, j)),
+        per_column=pl.BlockSpec((None, bk), lambda t, b, h, j: (h, j)),
+        partial=pl.BlockSpec((None, None, None, bk), lambda t, b, h, j: (t, b, h, j)),
+        rows=pl.BlockSpec((1, 1), lambda t, b, h, j: (t, b)),
+    )
+
+
+def _operands(g, a, bias, layout: ChunkLayout, sp) -> Operands:
+    """The inputs but dG: g (None: not read), the layout's table where it has one, a and
+    bias (None: not given)."""
+    ins = Operands()
+    if g is not None:
+        ins.add("g", sp["token"], g)
+    if layout.token_start is not None:
+        ins.add("token_start", sp["rows"], layout.token_start)
+        ins.add("token_count", sp["rows"], layout.token_count)
+    if a is not None:
+        ins.add("a", sp["per_column"], a)
+    if bias is not None:
+        ins.add("bias", sp["per_column"], bias)
+    return ins
+
+
+def _columns(K: int) -> int:
     bk = min(K, CUMSUM_COLS)
     if K % bk:
         raise ValueError(f"K must be a multiple of {bk} or at most {CUMSUM_COLS}, got {K}")
-    spec = pl.BlockSpec((None, None, None, C, bk), lambda t, b, h, j: (t, b, h, 0, j))
-    ins = Operands()
-    ins.add("x", spec, x)
-    outs = lambda out, struct: out.add("y", spec, struct(x.shape, jnp.float32))
-    name = "kda_reverse_chunk_cumsum" if reverse else "kda_chunk_cumsum"
-    blocks = ChunkBlocks(col_block=bk, num_warps=4, num_stages=1)
-    res, _ = call(_cumsum_kernel, (NT, B, HV, K // bk), ins, outs, name=name,
-                  params=blocks.params(interpret), reverse=reverse)
-    return res["y"]
+    return bk
 
 
-def chunk_cumsum(g: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """G [NT, B, HV, C, K] float32: the cumsum of g [NT, B, HV, C, K] over each chunk's
-    rows (module docstring)."""
-    return _scan(g, reverse=False, interpret=interpret)
+def _per_column(A_log, dt_bias, HV: int, K: int):
+    """exp(A_log) and dt_bias as [HV, K] float32 (None where not given)."""
+    a = None if A_log is None else jnp.broadcast_to(
+        jnp.exp(A_log.astype(jnp.float32))[:, None], (HV, K))
+    bias = None if dt_bias is None else dt_bias.astype(jnp.float32).reshape(HV, K)
+    return a, bias
 
 
-def reverse_chunk_cumsum(dG: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """dg [NT, B, HV, C, K] float32, dg_s = sum_{i >= s} dG_i over each chunk's rows: the
-    transpose of ``chunk_cumsum``."""
-    return _scan(dG, reverse=True, interpret=interpret)
+_LAUNCH = ChunkBlocks(col_block=CUMSUM_COLS, num_warps=4, num_stages=1)
+
+
+def _forward(cfg: GateCumsum, g, A_log, dt_bias, layout: ChunkLayout):
+    B, T, HV, K = g.shape
+    bk = _columns(K)
+    sp = _specs(cfg, T, bk)
+    a, bias = _per_column(A_log, dt_bias, HV, K)
+    ins = _operands(g, a, bias, layout, sp)
+    shape = (cfg.n_chunks, B, HV, cfg.chunk_size, K)
+    outs = lambda out, struct: out.add("G", sp["chunk"], struct(shape, jnp.float32))
+    res, _ = call(_forward_kernel, (cfg.n_chunks, B, HV, K // bk), ins, outs,
+                  name="kda_gate_cumsum", params=_LAUNCH.params(cfg.interpret), cfg=cfg)
+    return res["G"]
+
+
+def _backward(cfg: GateCumsum, g, A_log, dt_bias, layout: ChunkLayout, dG):
+    B, T, HV, K = g.shape
+    bk = _columns(K)
+    sp = _specs(cfg, T, bk)
+    a, bias = _per_column(A_log, dt_bias, HV, K)
+    ins = _operands(g if cfg.activate else None, a, bias, layout, sp)
+    ins.add("dG", sp["chunk"], dG)
+    partial_shape = (cfg.n_chunks, B, HV, K)
+
+    def outs(out, struct):
+        out.add("dg", sp["token"], struct(g.shape, g.dtype))
+        if cfg.activate:
+            if A_log is not None:
+                out.add("d_log_a", sp["partial"], struct(partial_shape, jnp.float32))
+            out.add("d_bias", sp["partial"], struct(partial_shape, jnp.float32))
+
+    res, _ = call(_backward_kernel, (cfg.n_chunks, B, HV, K // bk), ins, outs,
+                  name="kda_gate_cumsum_bwd", params=_LAUNCH.params(cfg.interpret), cfg=cfg)
+    d_A_log = d_bias = None
+    if A_log is not None:
+        d_A_log = jnp.sum(res["d_log_a"], axis=(0, 1, 3)).astype(A_log.dtype)
+    if dt_bias is not None:
+        d_bias = jnp.sum(res["d_bias"], axis=(0, 1)).reshape(dt_bias.shape).astype(
+            dt_bias.dtype)
+    return res["dg"], d_A_log, d_bias
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunk_gate(cfg: GateCumsum, g, A_log, dt_bias, layout: ChunkLayout):
+    """G [NT, B, HV, C, K] float32, the chunk cumsum of the decay (module docstring), from
+    g [B, T, HV, K] (any float dtype; the raw gate input with cfg.activate, else the
+    decay), A_log [HV] and dt_bias [HV * K] (or None; read only with cfg.activate) and the
+    chunk layout of the tokens. Differentiable in g, A_log and dt_bias."""
+    return _forward(cfg, g, A_log, dt_bias, layout)
+
+
+chunk_gate.defvjp(
+    lambda cfg, g, A_log, dt_bias, layout: (_forward(cfg, g, A_log, dt_bias, layout),
+                                            (g, A_log, dt_bias, layout)),
+    lambda cfg, res, dG: (*_backward(cfg, *res, dG), None))

@@ -1,13 +1,14 @@
-"""Pallas (Triton-lowered) cotangents of KDA's chunk inputs, in the chunk layout: three
-kernels with one program per (chunk, batch, head), then one with one program per
-(chunk, batch, head, sub-chunk of 16 rows), then dg's reverse cumsum
-(``gate_cumsum.reverse_chunk_cumsum``).
+"""Pallas (Triton-lowered) cotangents of KDA's chunk inputs: three kernels with one program
+per (chunk, batch, head), then one with one program per (chunk, batch, head, sub-chunk of
+16 rows). dG, the cotangent of the gate's chunk cumsum, leaves in the chunk layout; its
+reverse cumsum (and the gate activation's backward) is ``gate_cumsum.chunk_gate``'s.
 
-Twin of ``jaxcp.xla.grads.chunk_grads`` for the per-channel gate (``Gate.CHANNEL``). Inputs:
-q, k, g [NT, B, HV, C, K], v, do [.., C, V], beta [.., C]; the terms w [.., C, K], u
-[.., C, V] and T = (I + A)^-1 [.., C, C]; from the recurrences h (state entering each chunk)
-and X = dL/dS_out [NT, B, HV, K, V], v_new and dvn = dL/dv_new [.., C, V]. With
-G = cumsum(g) per channel, E_ijd = exp(G_id - G_jd), Xk = beta exp(G) k (w = T Xk,
+Twin of ``jaxcp.xla.grads.chunk_grads`` for the per-channel gate (``Gate.CHANNEL``). Inputs,
+the token tensors read in place at the layout's rows (``pallas.tokens``): q, k
+[B, T, HV, K], v, do [B, T, HV, V], beta [B, T, HV]; in the chunk layout: G [NT, B, HV,
+C, K]; the terms w [.., C, K], u [.., C, V] and T = (I + A)^-1 [.., C, C]; from the
+recurrences h (state entering each chunk) and X = dL/dS_out [NT, B, HV, K, V], v_new and
+dvn = dL/dv_new [.., C, V]. With G = cumsum(g) per channel, E_ijd = exp(G_id - G_jd), Xk = beta exp(G) k (w = T Xk,
 u = T (beta v)) and the gated row and column sums of ``pallas.channel``
 (rows(M, y)_id = sum_{j<i} M_ij y_jd E_ijd, cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
 
@@ -28,7 +29,6 @@ u = T (beta v)) and the gated row and column sums of ``pallas.channel``
          dq += Rq + diag(Mq) k
          dk += Cq + diag(Mq) q + beta R + Q,   dbeta += rowsum(k o R)
          dG += q o Rq - k o Cq + beta k o R - k o Q
-    4. dg = reverse cumsum of dG over the chunk's rows.
 
 With normalize_qk the kernels read q, k L2-normalised from the raw tiles (as
 ``intra_channel`` does), and XLA applies the normalisation's vjp to dq, dk.
@@ -48,13 +48,13 @@ from jax.experimental import pallas as pl
 
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  add_row_scales, check_chunk, check_gate_bound,
-                                  diagonal_fits, f32, iota, lower, sub_chunk_axis,
-                                  sub_chunk_specs, unit_row_scales, with_unit_rows)
-from jaxcp.pallas.common import (Fp32Products, Operands, call, chunk_specs, dots as make_dots,
-                                 named, refs_type)
+                                  add_row_scales, check_chunk, check_gate_bound, chunk_axis,
+                                  diagonal_fits, f32, in_place, iota, lower, sub_chunk_axis,
+                                  sub_chunk_specs, unit_row_scales)
+from jaxcp.pallas.common import (Fp32Products, Operands, add_chunk_rows, call, chunk_specs,
+                                 dots as make_dots, named, refs_type, rows_of_chunk)
 from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.gate_cumsum import chunk_cumsum, reverse_chunk_cumsum
+from jaxcp.pallas.tokens import chunk_refs
 from jaxcp.xla.intra import ChunkTerms
 
 
@@ -63,13 +63,19 @@ def _sum_products(product, xs, ys):
     return sum(product(x, y.T) for x, y in zip(xs, ys))
 
 
-_InterRefs = refs_type("_InterRefs", "q k g do h v_new x dvn dq dk dw dg mq", "q_rows k_rows")
+# the token slabs the kernels read and write in place (``channel.in_place``)
+_TOKENS = ("q", "k", "v", "beta", "do", "q_rows", "k_rows", "dq_in", "dk_in", "dbeta_in",
+           "dq", "dk", "dv", "dbeta")
+
+_InterRefs = refs_type("_InterRefs", "q k G do h v_new x dvn dq dk dw dG mq",
+                       "q_rows k_rows token_start token_count")
 
 
 def _inter_kernel(*refs, names, scale, dots, blocks):
-    """Step 1 of the module docstring for one (chunk, head): q, k, g [C, K], do, v_new, dvn
+    """Step 1 of the module docstring for one (chunk, head): q, k, G [C, K], do, v_new, dvn
     [C, V], h, x [K, V] -> dq, dk, dw, dG [C, K] and Mq [C, C], float32."""
-    r = with_unit_rows(named(_InterRefs, names, refs))
+    r = named(_InterRefs, names, refs)
+    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     V = r.do.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -82,7 +88,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
 
     # loops, not unrolled, so that no block's tiles are live in another's
     def block(i, carry):
-        ch = ChannelBlock(r.g, pl.multiple_of(i * bk, bk), bk)
+        ch = ChannelBlock(r.G, pl.multiple_of(i * bk, bk), bk)
 
         def value_block(j, acc):
             dqg, dkd, dw, d_decay = acc
@@ -103,21 +109,22 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
         r.dk[:, ch.cols] = dkd
         dkd_k = dkd * ch.load(r.k)
         dG_last = jnp.sum(dkd_k, axis=0, keepdims=True) + d_decay[None, :] * ch.last
-        r.dg[:, ch.cols] = ch.load(r.q) * dqg - dkd_k + jnp.where(last_row, dG_last, 0.0)
+        r.dG[:, ch.cols] = ch.load(r.q) * dqg - dkd_k + jnp.where(last_row, dG_last, 0.0)
         return carry
 
     lax.fori_loop(0, K // bk, block, 0)
 
 
-_WYRefs = refs_type("_WYRefs", "k v g beta w u inv dvn dw dk_in dg_in dk dv dg dbeta da",
-                    "k_rows")
+_WYRefs = refs_type("_WYRefs", "k v G beta w u inv dvn dw dk_in dG_in dk dv dG dbeta da",
+                    "k_rows token_start token_count")
 
 
 def _wy_kernel(*refs, names, dots, blocks):
-    """Step 2 of the module docstring for one (chunk, head): k, g, w, dw [C, K], v, u, dvn
-    [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dg_in) -> dv
+    """Step 2 of the module docstring for one (chunk, head): k, G, w, dw [C, K], v, u, dvn
+    [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dG_in) -> dv
     [C, V], dbeta [C] and dA [C, C], float32."""
-    r = with_unit_rows(named(_WYRefs, names, refs))
+    r = named(_WYRefs, names, refs)
+    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -135,13 +142,13 @@ def _wy_kernel(*refs, names, dots, blocks):
 
     def key_block(i, carry):
         da, dbeta = carry
-        ch = ChannelBlock(r.g, pl.multiple_of(i * bk, bk), bk)
+        ch = ChannelBlock(r.G, pl.multiple_of(i * bk, bk), bk)
         k = ch.load(r.k)
         dxk = dot_t(f32(r.inv[...]), ch.load(r.dw))
         da = da - dot(dxk, ch.load(r.w).T)
         dxk_eg = dxk * ch.eg
         r.dk[:, ch.cols] = ch.load(r.dk_in) + dxk_eg * beta
-        r.dg[:, ch.cols] = ch.load(r.dg_in) + beta * dxk_eg * k
+        r.dG[:, ch.cols] = ch.load(r.dG_in) + beta * dxk_eg * k
         return da, dbeta + jnp.sum(dxk_eg * k, axis=1)
 
     carry = (jnp.zeros((C, C), jnp.float32), jnp.zeros((C,), jnp.float32))
@@ -151,8 +158,8 @@ def _wy_kernel(*refs, names, dots, blocks):
     r.da[...] = lower(da, strict=True)
 
 
-_AcrossRefs = refs_type("_AcrossRefs", "q k G beta mq da dq_in dk_in dg_in dbeta_in dq dk dg "
-                                        "dbeta", "q_rows k_rows")
+_AcrossRefs = refs_type("_AcrossRefs", "q k G beta mq da dq_in dk_in dG_in dbeta_in dq dk dG "
+                                        "dbeta", "q_rows k_rows token_start token_count")
 
 
 def _across_kernel(*refs, names, dots, blocks):
@@ -169,7 +176,8 @@ def _across_kernel(*refs, names, dots, blocks):
 
     The sub-chunks are taken last to first, so that the sums of each are complete when its
     own row sums are."""
-    r = with_unit_rows(named(_AcrossRefs, names, refs))
+    r = named(_AcrossRefs, names, refs)
+    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
@@ -201,7 +209,7 @@ def _across_kernel(*refs, names, dots, blocks):
             cols_sum = cq[i] + ck[i]
             r.dq[rows(i), cols] = f32(r.dq_in[rows(i), cols]) + rq
             r.dk[rows(i), cols] = f32(r.dk_in[rows(i), cols]) + beta[i] * rk + cols_sum
-            r.dg[rows(i), cols] = (f32(r.dg_in[rows(i), cols]) + q * rq
+            r.dG[rows(i), cols] = (f32(r.dG_in[rows(i), cols]) + q * rq
                                    + (beta[i] * rk - cols_sum) * k_i)
             dbeta[i] = dbeta[i] + jnp.sum(k_i * rk, axis=1)
         return tuple(dbeta)
@@ -213,7 +221,8 @@ def _across_kernel(*refs, names, dots, blocks):
 
 
 _DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta mq da mq_flat da_flat dq_in dk_in "
-                                            "dg_in dbeta_in dq dk dg dbeta", "q_rows k_rows")
+                                            "dG_in dbeta_in dq dk dG dbeta",
+                          "q_rows k_rows token_start token_count")
 
 
 def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
@@ -224,12 +233,15 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     four products of the diagonal blocks of Mq and dA with the factor tiles of
     ``diagonal_factors``; elsewhere one partner row p at a time, the entries of Mq and dA in
     its row and column of the diagonal block gathered from the flat matrices."""
-    r = with_unit_rows(named(_DiagonalRefs, names, refs))
-    C, K = r.k.shape
+    r = named(_DiagonalRefs, names, refs)
     S = SUB_CHUNK
+    sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
+    chunk = rows_of_chunk(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
+    r = chunk_refs(in_place(r, chunk, ("q", "k", "beta", "q_rows", "k_rows")),
+                   chunk.sub(sc.first, S), ("dq_in", "dk_in", "dbeta_in", "dq", "dk", "dbeta"))
+    C, K = r.k.shape
     bk = blocks.cols(K)
     dot = dots.plain
-    sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
     own = sc.own
     mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
@@ -275,35 +287,41 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
         r.dq[:, cols] = f32(r.dq_in[:, cols]) + rq + mq_diagonal * k_own
         r.dk[:, cols] = (f32(r.dk_in[:, cols]) + mq_diagonal * q_own + beta_own * rk
                          + cq + ck)
-        r.dg[:, cols] = (f32(r.dg_in[:, cols]) + q_own * rq + beta_own * rk * k_own
+        r.dG[:, cols] = (f32(r.dG_in[:, cols]) + q_own * rq + beta_own * rk * k_own
                          - (cq + ck) * k_own)
         return dbeta + jnp.sum(k_own * rk, axis=1)
 
     r.dbeta[...] = lax.fori_loop(0, K // bk, block, f32(r.dbeta_in[...]))
 
 
-def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, dvn, do, *,
-                gate_bound: float | None = None, normalize_qk: bool = False,
+def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_new, x, dvn,
+                do, *, gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precise: bool = True,
                 products: Fp32Products = Fp32Products.TF32X3,
                 blocks: ChunkBlocks | None = None, across_blocks: ChunkBlocks | None = None):
-    """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) in the chunk layout (module
-    docstring): (dq, dk, dv, dg, dbeta), float32, shapes of q, k, v, g, beta. terms must
-    carry the inverse (``intra_chunk(..., with_inverse=True)``). gate_bound as in
-    ``intra_channel.intra_chunk``. normalize_qk: q, k are raw, the kernels read them
-    L2-normalised (as ``intra_chunk(normalize_qk=True)``), and dq, dk are the cotangents of
-    the raw q, k (the normalisation's vjp by XLA). precise: every product at `products`
-    (``common.Fp32Products``), else bf16 products. blocks: the launch configuration
-    (``ChunkBlocks.channel_grads`` if None) of every kernel but ``kda_grads_gated_sums``,
-    which runs with across_blocks (``ChunkBlocks.grads_across_sub_chunks`` if None)."""
+    """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) (module docstring), but that
+    the gate comes as its chunk cumsum G and leaves as dG: (dq, dk, dv, dG, dbeta), float32.
+    q, k [B, T, HV, K], v, do [B, T, HV, V], beta [B, T, HV] are read in place at the rows
+    of the ChunkLayout layout, and dq, dk, dv, dbeta written so, in their shapes; G and dG
+    [NT, B, HV, C, K] are in the chunk layout (``gate_cumsum.chunk_gate``, whose backward
+    turns dG into the gate's cotangent); h, x [NT, B, HV, K, V], v_new, dvn
+    [NT, B, HV, C, V]. terms must carry the inverse (``intra_chunk(...,
+    with_inverse=True)``). gate_bound as in ``intra_channel.intra_chunk``. normalize_qk:
+    q, k are raw, the kernels read them L2-normalised (as ``intra_chunk(normalize_qk=True)``),
+    and dq, dk are the cotangents of the raw q, k (the normalisation's vjp by XLA).
+    precise: every product at `products` (``common.Fp32Products``), else bf16 products.
+    blocks: the launch configuration (``ChunkBlocks.channel_grads`` if None) of every
+    kernel but ``kda_grads_gated_sums``, which runs with across_blocks
+    (``ChunkBlocks.grads_across_sub_chunks`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     check_gate_bound(gate_bound)
-    NT, B, HV, C, K = k.shape
+    B, T, HV, K = k.shape
+    NT, C = G.shape[0], G.shape[3]
     V = v.shape[-1]
     check_chunk(C)
     blocks = blocks or ChunkBlocks.channel_grads()
-    sp = chunk_specs(C, C)
+    sp = chunk_specs(C, T)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     dots = make_dots(precise, interpret, rounded=True, products=products)
     kw = dict(params=blocks.params(interpret), dots=dots, blocks=blocks)
@@ -312,82 +330,88 @@ def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms, h, v_new, x, 
     rows = unit_row_scales(q, k, normalize_qk)
 
     inter = Operands()
-    for name, spec, val in (("q", sp.tile(K), q), ("k", sp.tile(K), k), ("g", sp.tile(K), g),
-                            ("do", sp.tile(V), do), ("h", state, h),
+    for name, spec, val in (("q", sp.token(K), q), ("k", sp.token(K), k),
+                            ("G", sp.tile(K), G), ("do", sp.token(V), do), ("h", state, h),
                             ("v_new", sp.tile(V), v_new), ("x", state, x),
                             ("dvn", sp.tile(V), dvn)):
         inter.add(name, spec, val)
-    add_row_scales(inter, sp.vec, **rows)
+    add_row_scales(inter, sp.token(None), **rows)
+    add_chunk_rows(inter, sp, layout)
 
     def inter_outs(out, struct):
-        for name in ("dq", "dk", "dw", "dg"):
-            out.add(name, sp.tile(K), f32_like(struct, k))
+        for name in ("dq", "dk"):
+            out.add(name, sp.token(K), f32_like(struct, k))
+        for name in ("dw", "dG"):
+            out.add(name, sp.tile(K), f32_like(struct, G))
         out.add("mq", sp.tile(C), struct(square, jnp.float32))
 
     step1, _ = call(_inter_kernel, (NT, B, HV), inter, inter_outs, name="kda_grads_inter",
                     scale=scale, **kw)
 
     wy = Operands()
-    for name, spec, val in (("k", sp.tile(K), k), ("v", sp.tile(V), v), ("g", sp.tile(K), g),
-                            ("beta", sp.vec, beta), ("w", sp.tile(K), terms.w),
-                            ("u", sp.tile(V), terms.u), ("inv", sp.tile(C), terms.inv),
-                            ("dvn", sp.tile(V), dvn), ("dw", sp.tile(K), step1["dw"]),
-                            ("dk_in", sp.tile(K), step1["dk"]),
-                            ("dg_in", sp.tile(K), step1["dg"])):
+    for name, spec, val in (("k", sp.token(K), k), ("v", sp.token(V), v),
+                            ("G", sp.tile(K), G), ("beta", sp.token(None), beta),
+                            ("w", sp.tile(K), terms.w), ("u", sp.tile(V), terms.u),
+                            ("inv", sp.tile(C), terms.inv), ("dvn", sp.tile(V), dvn),
+                            ("dw", sp.tile(K), step1["dw"]),
+                            ("dk_in", sp.token(K), step1["dk"]),
+                            ("dG_in", sp.tile(K), step1["dG"])):
         wy.add(name, spec, val)
     if normalize_qk:
-        wy.add("k_rows", sp.vec, rows["k_rows"])
+        wy.add("k_rows", sp.token(None), rows["k_rows"])
+    add_chunk_rows(wy, sp, layout)
 
     def wy_outs(out, struct):
-        out.add("dk", sp.tile(K), f32_like(struct, k))
-        out.add("dv", sp.tile(V), f32_like(struct, v))
-        out.add("dg", sp.tile(K), f32_like(struct, g))
-        out.add("dbeta", sp.vec, f32_like(struct, beta))
+        out.add("dk", sp.token(K), f32_like(struct, k))
+        out.add("dv", sp.token(V), f32_like(struct, v))
+        out.add("dG", sp.tile(K), f32_like(struct, G))
+        out.add("dbeta", sp.token(None), f32_like(struct, beta))
         out.add("da", sp.tile(C), struct(square, jnp.float32))
 
     step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy",
-                    aliases={"dk_in": "dk", "dg_in": "dg"}, **kw)
+                    aliases={"dk_in": "dk", "dG_in": "dG"}, **kw)
 
-    G = chunk_cumsum(g, interpret=interpret)
-
-    def gated_sums(kernel, grid, tile, vec, own, own_vec, partial, extra=(), **static):
-        """One kernel of step 3, in place: q, k, G [C, K] and Mq, dA [C, C] under the
-        BlockSpec maker tile, beta and the row scales under vec; the partial dq, dk, dG
-        (own) and dbeta (own_vec) in and out; extra: more (name, spec, value) inputs."""
+    def gated_sums(kernel, grid, sp, whole, own_chunk, partial, extra=(), **static):
+        """One kernel of step 3, in place: q, k, beta and the row scales under sp.token, G
+        and Mq, dA [C, C] under whole (the chunk's block of a chunk-layout array); the
+        partial dq, dk, dbeta (token slabs) and dG (own_chunk, the program's rows of the
+        chunk layout) in and out; extra: more (name, spec, value) inputs."""
         ins = Operands()
-        for name, spec, val in (("q", tile(K), q), ("k", tile(K), k), ("G", tile(K), G),
-                                ("beta", vec, beta), ("mq", tile(C), step1["mq"]),
-                                ("da", tile(C), step2["da"]), *extra,
-                                *((f"{name}_in", own(K), partial[name])
-                                  for name in ("dq", "dk", "dg")),
-                                ("dbeta_in", own_vec, partial["dbeta"])):
+        for name, spec, val in (("q", sp.token(K), q), ("k", sp.token(K), k),
+                                ("G", whole(K), G), ("beta", sp.token(None), beta),
+                                ("mq", whole(C), step1["mq"]), ("da", whole(C), step2["da"]),
+                                *extra,
+                                ("dq_in", sp.token(K), partial["dq"]),
+                                ("dk_in", sp.token(K), partial["dk"]),
+                                ("dG_in", own_chunk(K), partial["dG"]),
+                                ("dbeta_in", sp.token(None), partial["dbeta"])):
             ins.add(name, spec, val)
-        add_row_scales(ins, vec, **rows)
+        add_row_scales(ins, sp.token(None), **rows)
+        add_chunk_rows(ins, sp, layout)
 
         def outs(out, struct):
-            for name in ("dq", "dk", "dg"):
-                out.add(name, own(K), f32_like(struct, k))
-            out.add("dbeta", own_vec, f32_like(struct, beta))
+            for name in ("dq", "dk"):
+                out.add(name, sp.token(K), f32_like(struct, k))
+            out.add("dG", own_chunk(K), f32_like(struct, G))
+            out.add("dbeta", sp.token(None), f32_like(struct, beta))
 
         res, _ = call(kernel, grid, ins, outs, aliases={
-            "dq_in": "dq", "dk_in": "dk", "dg_in": "dg", "dbeta_in": "dbeta"}, **static)
+            "dq_in": "dq", "dk_in": "dk", "dG_in": "dG", "dbeta_in": "dbeta"}, **static)
         return res
 
     across_blocks = across_blocks or ChunkBlocks.grads_across_sub_chunks()
-    step3 = gated_sums(_across_kernel, (NT, B, HV), sp.tile, sp.vec, sp.tile, sp.vec,
-                       dict(dq=step1["dq"], dk=step2["dk"], dg=step2["dg"],
+    step3 = gated_sums(_across_kernel, (NT, B, HV), sp, sp.tile, sp.tile,
+                       dict(dq=step1["dq"], dk=step2["dk"], dG=step2["dG"],
                             dbeta=step2["dbeta"]),
                        name="kda_grads_gated_sums", params=across_blocks.params(interpret),
                        dots=dots, blocks=across_blocks)
-    ss = sub_chunk_specs(NT, B, HV, C, blocks.sub_chunks_first)
+    ss = sub_chunk_specs(NT, B, HV, C, T, blocks.sub_chunks_first)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
-    step3 = gated_sums(_diagonal_kernel, ss.grid, ss.chunk, ss.chunk_vec, ss.rows, ss.rows_vec,
-                       step3, extra=(("mq_flat", ss.square_flat, flat(step1["mq"])),
-                                     ("da_flat", ss.square_flat, flat(step2["da"]))),
+    step3 = gated_sums(_diagonal_kernel, ss.grid, ss, ss.chunk, ss.rows, step3,
+                       extra=(("mq_flat", ss.square_flat, flat(step1["mq"])),
+                              ("da_flat", ss.square_flat, flat(step2["da"]))),
                        name="kda_grads_diagonal_sums", gate_bound=gate_bound, **kw)
-    # dg_s = sum_{i >= s} dG_i over the chunk's rows
-    dg = reverse_chunk_cumsum(step3["dg"], interpret=interpret)
     dq, dk = step3["dq"], step3["dk"]
     if normalize_qk:
         dq, dk = (jax.vjp(l2_normalize, f32(x))[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
-    return dq, dk, step2["dv"], dg, step3["dbeta"]
+    return dq, dk, step2["dv"], step3["dG"], step3["dbeta"]

@@ -4,11 +4,13 @@ their diagonal blocks, one program per (chunk, batch, head, sub-chunk of 16 rows
 T = (I + A)^-1 and the tiles of the state recurrences (``wy_terms``, one program per
 (chunk, batch, head)). The backward reruns only the last, from the T the forward kept.
 
-Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``), in the
-chunk layout: q, k [NT, B, HV, C, K], v [NT, B, HV, C, V], g [NT, B, HV, C, K] (natural-log
-decays, g <= 0), beta [NT, B, HV, C]. The terms come in the plain form of ``ChunkTerms``:
-w, qg, kd [NT, B, HV, C, K], u [..., C, V], attn and the inverse [..., C, C], decay
-[..., K].
+Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``). The
+token tensors are read in place (``pallas.tokens``; packed sequences included): q, k
+[B, T, HV, K], v [B, T, HV, V], beta [B, T, HV], each chunk at the rows the layout gives
+it. The gate comes as G, the cumsum of the natural-log decays g <= 0 over each chunk's rows,
+in the chunk layout [NT, B, HV, C, K] (``gate_cumsum.chunk_gate``). The terms come in the
+plain form of ``ChunkTerms``, chunk layout: w, qg, kd [NT, B, HV, C, K], u [..., C, V],
+attn and the inverse [..., C, C], decay [..., K].
 
 With G = cumsum(g) over the chunk's rows (per channel),
 
@@ -44,17 +46,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  add_row_scales, check_chunk, check_gate_bound,
-                                  diagonal_factors, diagonal_fits, f32, lower,
-                                  sub_chunk_axis,
-                                  sub_chunk_specs, unit_row_scales, with_unit_rows)
-from jaxcp.pallas.common import (Dots, Operands, call, chunk_specs, dots as make_dots, named,
-                                 refs_type, unit_lower_inverse)
+                                  add_row_scales, check_chunk, check_gate_bound, chunk_axis,
+                                  diagonal_factors, diagonal_fits, f32, in_place, lower,
+                                  sub_chunk_axis, sub_chunk_specs, unit_row_scales)
+from jaxcp.pallas.common import (Dots, Operands, add_chunk_rows, call, chunk_specs,
+                                 dots as make_dots, named, refs_type, rows_of_chunk,
+                                 unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.gate_cumsum import chunk_cumsum
+from jaxcp.pallas.tokens import chunk_refs
 from jaxcp.xla.intra import ChunkTerms
 
-_AcrossRefs = refs_type("_AcrossRefs", "q k G beta a attn", "q_rows k_rows")
+# the token slabs the kernels read in place (``channel.in_place``)
+_TOKENS = ("q", "k", "v", "beta", "q_rows", "k_rows")
+
+_AcrossRefs = refs_type("_AcrossRefs", "q k G beta a attn",
+                        "q_rows k_rows token_start token_count")
 
 
 def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlocks):
@@ -67,7 +73,8 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
     ``_diagonal_kernel`` writes them); zeros above the diagonal. The tiles of the other
     sub-chunks are loaded where a pair needs them (from L1), which holds fewer registers
     than keeping them."""
-    r = with_unit_rows(named(_AcrossRefs, names, refs))
+    r = named(_AcrossRefs, names, refs)
+    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
@@ -112,7 +119,8 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
             r.attn[rows(i), rows(j)] = zero.astype(r.attn.dtype)
 
 
-_DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta a_in attn_in a attn", "q_rows k_rows")
+_DiagonalRefs = refs_type("_DiagonalRefs", "q k G beta a_in attn_in a attn",
+                          "q_rows k_rows token_start token_count")
 
 
 def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
@@ -120,11 +128,14 @@ def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
     ``_across_kernel``), written in place into a, attn [S, C] (the sub-chunk's rows), where
     b does not ``diagonal_fits``: pair by pair, one partner row p of b at a time
     (``ChannelGates.partners``), K in blocks of bk channels."""
-    r = with_unit_rows(named(_DiagonalRefs, names, refs))
-    K = r.k.shape[1]
+    r = named(_DiagonalRefs, names, refs)
     S = SUB_CHUNK
-    bk = blocks.cols(K)
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
+    chunk = rows_of_chunk(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
+    r = chunk_refs(in_place(r, chunk, ("q", "k", "q_rows", "k_rows")),
+                   chunk.sub(sc.first, S), ("beta",))
+    K = r.k.shape[1]
+    bk = blocks.cols(K)
 
     @pl.when(jnp.logical_not(diagonal_fits(r.G, sc.first)))
     def _():
@@ -139,13 +150,14 @@ def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
         r.attn[:, sc.own] = (scale * attn).astype(r.attn.dtype)
 
 
-_TermsRefs = refs_type("_TermsRefs", "q k v g beta w u qg kd decay",
-                       "a inv_in inv q_rows k_rows")
+_TermsRefs = refs_type("_TermsRefs", "q k v G beta w u qg kd decay",
+                       "a inv_in inv q_rows k_rows token_start token_count")
 
 
 def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     """T = (I + A)^-1 (or the T given), then w, u, qg, kd, decay of one (chunk, head)."""
-    r = with_unit_rows(named(_TermsRefs, names, refs))
+    r = named(_TermsRefs, names, refs)
+    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
     K = r.k.shape[1]
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -158,7 +170,7 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.inv[...] = inv.astype(r.inv.dtype)
     inv_beta = inv * beta[None, :]
     for j in range(K // bk):
-        ch = ChannelBlock(r.g, j * bk, bk)
+        ch = ChannelBlock(r.G, j * bk, bk)
         q, k = ch.load(r.q), ch.load(r.k)
         r.w[:, ch.cols] = dots.plain(inv_beta, k * ch.eg).astype(r.w.dtype)
         r.qg[:, ch.cols] = (q * ch.eg * scale).astype(r.qg.dtype)
@@ -169,30 +181,33 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.u[:, cols] = dots.plain(inv_beta, f32(r.v[:, cols])).astype(r.u.dtype)
 
 
-def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
+def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None = None,
                q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
                blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None,
                tile_dtype=jnp.float32):
     """(A [NT, B, HV, C, C] float32, attn [NT, B, HV, C, C] tile_dtype): A =
     strict_lower(beta_i sum_d k_id k_jd exp(G_id - G_jd)) and attn = scale lower(sum_d q_id
-    k_jd exp(G_id - G_jd)), G the chunk cumsum of g (module docstring): every block by
-    ``kda_gated_sums`` (one program per (chunk, batch, head); launch configuration blocks,
-    ``ChunkBlocks.across_sub_chunks`` if None) but the diagonal blocks of sub-chunks that
-    do not ``diagonal_fits``, which ``kda_diagonal_sums`` writes in place (one program per
-    (chunk, batch, head, sub-chunk of 16 rows); diagonal_blocks, ``ChunkBlocks.sub_chunk``
-    if None; not launched under a gate bound). q_rows, k_rows [NT, B, HV, C] (both or
-    neither): the rows of q, k are taken times them (``channel.RowScaled``). Shapes,
-    gate_bound and precise as in ``intra_chunk``."""
+    k_jd exp(G_id - G_jd)), G the chunk cumsum of the decay (module docstring): every block
+    by ``kda_gated_sums`` (one program per (chunk, batch, head); launch configuration
+    blocks, ``ChunkBlocks.across_sub_chunks`` if None) but the diagonal blocks of
+    sub-chunks that do not ``diagonal_fits``, which ``kda_diagonal_sums`` writes in place
+    (one program per (chunk, batch, head, sub-chunk of 16 rows); diagonal_blocks,
+    ``ChunkBlocks.sub_chunk`` if None; not launched under a gate bound). q_rows, k_rows
+    [B, T, HV] (both or neither): the rows of q, k are taken times them
+    (``channel.RowScaled``). Shapes, layout, gate_bound and precise as in
+    ``intra_chunk``."""
     check_gate_bound(gate_bound)
-    NT, B, HV, C, K = k.shape
+    B, T, HV, K = k.shape
+    NT, C = G.shape[0], G.shape[3]
     check_chunk(C)
-    G = chunk_cumsum(g, interpret=interpret)
-    sp = chunk_specs(C, C)
+    sp = chunk_specs(C, T)
     ins = Operands()
-    for name, x in (("q", q), ("k", k), ("G", G)):
-        ins.add(name, sp.tile(K), x)
-    ins.add("beta", sp.vec, beta)
-    add_row_scales(ins, sp.vec, q_rows, k_rows)
+    for name, x in (("q", q), ("k", k)):
+        ins.add(name, sp.token(K), x)
+    ins.add("G", sp.tile(K), G)
+    ins.add("beta", sp.token(None), beta)
+    add_row_scales(ins, sp.token(None), q_rows, k_rows)
+    add_chunk_rows(ins, sp, layout)
 
     def outs(spec):
         def add(out, struct):
@@ -207,14 +222,16 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     if gate_bound is not None:
         return res["a"], res["attn"]
     diagonal_blocks = diagonal_blocks or ChunkBlocks.sub_chunk()
-    ssp = sub_chunk_specs(NT, B, HV, C, diagonal_blocks.sub_chunks_first)
+    ssp = sub_chunk_specs(NT, B, HV, C, T, diagonal_blocks.sub_chunks_first)
     ins = Operands()
-    for name, x in (("q", q), ("k", k), ("G", G)):
-        ins.add(name, ssp.chunk(K), x)
-    ins.add("beta", ssp.rows_vec, beta)
+    for name, x in (("q", q), ("k", k)):
+        ins.add(name, ssp.token(K), x)
+    ins.add("G", ssp.chunk(K), G)
+    ins.add("beta", ssp.token(None), beta)
     ins.add("a_in", ssp.rows(C), res["a"])
     ins.add("attn_in", ssp.rows(C), res["attn"])
-    add_row_scales(ins, ssp.chunk_vec, q_rows, k_rows)
+    add_row_scales(ins, ssp.token(None), q_rows, k_rows)
+    add_chunk_rows(ins, ssp, layout)
     res, _ = call(_diagonal_kernel, ssp.grid, ins, outs(ssp.rows(C)),
                   name="kda_diagonal_sums", params=diagonal_blocks.params(interpret),
                   aliases={"a_in": "a", "attn_in": "attn"}, scale=scale,
@@ -222,7 +239,7 @@ def gated_sums(q, k, g, beta, scale: float, *, gate_bound: float | None = None,
     return res["a"], res["attn"]
 
 
-def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: bool = False,
+def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None, with_inverse: bool = False,
              q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
              blocks: ChunkBlocks | None = None, tile_dtype=jnp.float32) -> ChunkTerms:
     """The terms but attn: T = (I + a)^-1 from ``gated_sums``'s a, or the inverse inv given
@@ -230,16 +247,19 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
     returns T (a only). attn is left None. q_rows, k_rows as in ``gated_sums``."""
     if (a is None) == (inv is None):
         raise ValueError("wy_terms: give exactly one of a and inv")
-    NT, B, HV, C, K = k.shape
+    B, T, HV, K = k.shape
+    NT, C = G.shape[0], G.shape[3]
     V = v.shape[-1]
     check_chunk(C)
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
-    sp = chunk_specs(C, C)
+    sp = chunk_specs(C, T)
     ins = Operands()
-    for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V), ("g", g, K)):
-        ins.add(name, sp.tile(d), x)
-    ins.add("beta", sp.vec, beta)
-    add_row_scales(ins, sp.vec, q_rows, k_rows)
+    for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V)):
+        ins.add(name, sp.token(d), x)
+    ins.add("G", sp.tile(K), G)
+    ins.add("beta", sp.token(None), beta)
+    add_row_scales(ins, sp.token(None), q_rows, k_rows)
+    add_chunk_rows(ins, sp, layout)
     if a is not None:
         ins.add("a", sp.tile(C), a)
     else:
@@ -264,13 +284,14 @@ def wy_terms(q, k, v, g, beta, scale: float, *, a=None, inv=None, with_inverse: 
                       attn=None, inv=res.get("inv", inv))
 
 
-def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
+def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = False,
                 gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precise: bool = True,
                 blocks: ChunkBlocks | None = None, tile_dtype=jnp.float32) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
-    ``gated_sums``, then ``wy_terms``. q, k, g [NT, B, HV, C, K], v [NT, B, HV, C, V], beta
-    [NT, B, HV, C], chunk layout, C a multiple of 16. gate_bound: None (any g <= 0), or a
+    ``gated_sums``, then ``wy_terms``. q, k [B, T, HV, K], v [B, T, HV, V], beta [B, T, HV]
+    token-major, read in place at the rows of the ChunkLayout layout; G [NT, B, HV, C, K]
+    the chunk cumsum of the decays g <= 0 (``gate_cumsum.chunk_gate``), C a multiple of 16. gate_bound: None (any g <= 0), or a
     bound in [-5, 0) that every gate is known to respect (g in [gate_bound, 0)): then every
     diagonal block is a product (``channel.diagonal_fits``) and the pair-by-pair kernel is
     not launched. precise: 3xTF32 products (fp32
@@ -285,8 +306,8 @@ def intra_chunk(q, k, v, g, beta, scale: float, *, with_inverse: bool = False,
     with its own."""
     kw = dict(interpret=interpret, precise=precise, tile_dtype=tile_dtype,
               **unit_row_scales(q, k, normalize_qk))
-    a, attn = gated_sums(q, k, g, beta, scale, gate_bound=gate_bound, **kw)
-    terms = wy_terms(q, k, v, g, beta, scale, a=a, with_inverse=with_inverse, blocks=blocks,
+    a, attn = gated_sums(q, k, G, beta, scale, layout, gate_bound=gate_bound, **kw)
+    terms = wy_terms(q, k, v, G, beta, scale, layout, a=a, with_inverse=with_inverse, blocks=blocks,
                      **kw)
     return terms._replace(attn=attn)
 
@@ -296,12 +317,12 @@ def kept_for_terms(terms: ChunkTerms):
     return terms.inv, terms.attn
 
 
-def recompute_terms(q, k, v, g, beta, scale: float, kept, *, normalize_qk: bool = False,
+def recompute_terms(q, k, v, G, beta, scale: float, layout, kept, *, normalize_qk: bool = False,
                     **kw) -> ChunkTerms:
     """The terms with the inverse again from the kept (T, attn): w, u, qg, kd and decay by
     ``wy_terms`` from T, without the gated sums. normalize_qk and kw as in
     ``intra_chunk``."""
     inv, attn = kept
-    return wy_terms(q, k, v, g, beta, scale, inv=inv, **unit_row_scales(q, k, normalize_qk),
+    return wy_terms(q, k, v, G, beta, scale, layout, inv=inv, **unit_row_scales(q, k, normalize_qk),
                     **kw)._replace(attn=attn)
 

@@ -4,7 +4,7 @@ Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis
 batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
 [NT, B, HV, Kg] with Kg = ``gate.width(K)``; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
 with token_major, ``state_output``'s o, ``state_bwd``'s do and the bare q, k of row-factored
-terms are token-major, [B, T, HV, ...], chunk c at the rows ``layout.token_start[c]`` on
+terms (GDN's; KDA's terms are plain) are token-major, [B, T, HV, ...], chunk c at the rows ``layout.token_start[c]`` on
 (c C without a table; ``jaxcp.pallas.tokens``).
 
 One program per (batch, value head, block of BV state columns, ``StateBlocks``) runs a fori_loop over the
@@ -176,27 +176,29 @@ class _Call(NamedTuple):
     C: int
     K: int
     BV: int
+    T: int | None
     blocks: StateBlocks
     sp: _Specs
     ins: Operands
 
 
 def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_major: bool,
-           dot_dtype, blocks: StateBlocks | None, tile_dtype) -> _Call:
-    """The _Call of a kernel over `cols` state columns (token_major: the bare q, k of the
-    terms and o or do are [B, T, HV, ...])."""
+           dot_dtype, blocks: StateBlocks | None, tile_dtype,
+           tokens: int | None = None) -> _Call:
+    """The _Call of a kernel over `cols` state columns (token_major: o or do, and the bare
+    q, k of row-factored terms, are [B, T, HV, ...]; T is the bare q's length, or tokens
+    for plain terms)."""
     NT, B, HV, C, K = terms.w.shape
     if terms.decay.shape[-1] != gate.width(K):
         raise ValueError(f"terms: decay [..., {terms.decay.shape[-1]}] does not match the "
                          f"{gate.value} gate (width {gate.width(K)})")
-    if token_major and terms.q_rows is None:
-        raise ValueError("terms: token_major needs the row-factored terms of the Pallas intra "
-                         "kernel (bare q, k token-major)")
+    factored = terms.k_rows is not None
     blocks = blocks or StateBlocks.default(K, dot_dtype)
     BV = blocks.cols(cols)
-    T = terms.qg.shape[1] if token_major else None
+    T = None
+    if token_major:
+        T = terms.qg.shape[1] if factored else tokens
     sp = _specs(NT, C, K, BV, gate, T)
-    factored = terms.k_rows is not None
     ins = Operands()
     ins.add("w", sp.chunk_k, terms.w.astype(tile_dtype))
     ins.add("kd", sp.token_k if factored else sp.chunk_k, terms.kd.astype(tile_dtype))
@@ -208,7 +210,7 @@ def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_
         ins.add("token_count", sp.per_chunk, layout.token_count)
     if factored:
         ins.add("k_rows", sp.rows, terms.k_rows)
-    return _Call(NT, B, HV, C, K, BV, blocks, sp, ins)
+    return _Call(NT, B, HV, C, K, BV, T, blocks, sp, ins)
 
 
 def _per_seq_output(c: _Call, name: str, n_seqs: int, cols: int, like) -> None:
@@ -263,19 +265,23 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                  with_output: bool = False, with_finals: bool = False,
                  token_major: bool = False, split_state: bool = False,
                  span: jax.Array | None = None, blocks: StateBlocks | None = None,
-                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None, name: str):
+                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None,
+                 tokens: int | None = None, name: str):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
     bf16 parts each (``common.dot``); span ([B], ``_span_loop``): loop over those chunks
     only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
-    state (``common.Fp32Products``); tile_dtype: as in ``state_output``. Returns the
-    outputs by name: h, v_new (store_h), o, finals, last."""
+    state (``common.Fp32Products``); tile_dtype, tokens: as in ``state_output``. Returns
+    the outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
-    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype)
+    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype, tokens)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
+    if with_output and token_major and c.T is None:
+        raise ValueError("tokens: a token-major o from plain terms needs T, the length of "
+                         "the token tensors")
     if u_cols:
         ins.add("u", sp.chunk_v, terms.u.astype(dot_dtype))
     if with_output:
@@ -298,7 +304,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
             out.add("h", sp.chunk_state, struct((NT, B, HV, K, cols), dot_dtype))
             out.add("v_new", sp.chunk_v, struct((NT, B, HV, C, cols), dot_dtype))
         if with_output:
-            o_shape = (B, terms.qg.shape[1], HV, cols) if token_major else (NT, B, HV, C, cols)
+            o_shape = (B, c.T, HV, cols) if token_major else (NT, B, HV, C, cols)
             out.add("o", sp.token_v, struct(o_shape, terms.u.dtype))
         if with_finals:
             out.add("finals", sp.seq_state(n_seqs), struct((n_seqs, HV, K, cols), jnp.float32))
@@ -315,7 +321,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
 
 def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, token_major=False,
                  interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
+                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None,
+                 tokens: int | None = None):
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
@@ -323,11 +330,13 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, toke
     finals [N, HV, K, V] or None). tile_dtype: the dtype the kernel reads w, kd, qg and attn
     in (dot_dtype if None; u, the states and v_new stay in dot_dtype). float16 with float32
     dot_dtype and TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at
-    half the bytes, for terms whose magnitudes fit float16 (``common.dot``)."""
+    half the bytes, for terms whose magnitudes fit float16 (``common.dot``). tokens: T,
+    the length of a token-major o from plain terms (KDA's; row-factored terms carry it)."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                        interpret=interpret, dot_dtype=dot_dtype, with_output=True,
                        with_finals=with_finals, token_major=token_major, blocks=blocks,
-                       products=products, tile_dtype=tile_dtype, name="state_output")
+                       products=products, tile_dtype=tile_dtype, tokens=tokens,
+                       name="state_output")
     return out["o"], out.get("finals")
 
 
@@ -431,7 +440,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
     ``state_output``."""
     V = do.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
-    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks, tile_dtype)
+    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks, tile_dtype,
+               tokens=do.shape[1] if token_major else None)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
     with_d_init = with_d_init and not entry_only

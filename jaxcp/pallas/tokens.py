@@ -56,6 +56,11 @@ class ChunkRows(NamedTuple):
     count: jax.Array | None
     size: int
 
+    def sub(self, first, size: int) -> "ChunkRows":
+        """Its rows first .. first + size - 1 (first may be traced) as rows of their own."""
+        count = None if self.count is None else self.count - first
+        return ChunkRows(self.start + first, count, size)
+
     def _at(self, ref, cols):
         rows = pl.ds(self.start, self.size)
         if len(ref.shape) == 1:
@@ -127,3 +132,61 @@ class Tile(NamedTuple):
             self.ref[...] = value.astype(self.ref.dtype)
         else:
             self.rows.store(self.ref, value)
+
+
+class ChunkRef:
+    """A chunk's rows of a token slab [T, d] (or [T]), read and written with the indexing of
+    the chunk-layout block [C, d] (or [C]) it stands for: x[rows, cols] with rows a slice of
+    all C rows or a ``pl.ds`` inside the chunk, cols a slice or ``pl.ds`` (or absent).
+    Loads give zeros in the rows past the chunk's tokens and stores skip them
+    (``ChunkRows``), so a kernel written for the chunk layout runs on the tokens in place."""
+
+    def __init__(self, ref, rows: ChunkRows):
+        self.ref, self.rows = ref, rows
+        self.shape = (rows.size,) + tuple(ref.shape[1:])
+        self.dtype = ref.dtype
+
+    def _at(self, index):
+        """(the ref view, the loaded shape, the mask or None) of an index."""
+        if index is Ellipsis:
+            index = ()
+        index = index if isinstance(index, tuple) else (index,)
+        row = index[0] if index else slice(None)
+        if isinstance(row, slice):
+            if row != slice(None):
+                raise ValueError("ChunkRef: rows must be all (:) or a pl.ds")
+            first, n = 0, self.rows.size
+        else:
+            first, n = row.start, row.size
+        at = (pl.ds(self.rows.start + first, n),)
+        shape = (n,)
+        if len(self.ref.shape) == 2:
+            col = index[1] if len(index) > 1 else slice(None)
+            if isinstance(col, slice):
+                col = pl.ds(0, self.ref.shape[1])
+            at, shape = at + (col,), (n, col.size)
+        mask = None
+        if self.rows.count is not None:
+            mask = first + lax.broadcasted_iota(jnp.int32, shape, 0) < self.rows.count
+        return self.ref.at[at], shape, mask
+
+    def __getitem__(self, index):
+        view, _, mask = self._at(index)
+        if mask is None:
+            return view[...]
+        return pltriton.load(view, mask=mask, other=0)
+
+    def __setitem__(self, index, value):
+        view, _, mask = self._at(index)
+        value = value.astype(self.ref.dtype)
+        if mask is None:
+            view[...] = value
+        else:
+            pltriton.store(view, value, mask=mask)
+
+
+def chunk_refs(refs, rows: ChunkRows, names: tuple[str, ...]):
+    """The kernel refs (a NamedTuple) with each token slab among `names` that the kernel
+    takes and the call has read and written as the chunk's rows (``ChunkRef``)."""
+    return refs._replace(**{name: ChunkRef(getattr(refs, name), rows) for name in names
+                            if getattr(refs, name, None) is not None})
