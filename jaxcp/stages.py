@@ -125,16 +125,18 @@ def _xla_stages(o: StageOptions) -> Stages:
                   xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
-def _pallas_state_stages(o: StageOptions, **options) -> dict:
+def _pallas_state_stages(o: StageOptions, out_dtype=None, **options) -> dict:
     """The state recurrences as Pallas kernels (both gates), token-major (o, do); options:
     the kernels' products (how their fp32 tiles meet the state, ``common.Fp32Products``)
-    and blocks (``StateBlocks``) where not their defaults."""
+    and blocks (``StateBlocks``) where not their defaults; out_dtype: o's dtype where not
+    that of the terms' u."""
     from jaxcp.pallas import state
     kw = dict(gate=o.gate, token_major=True, interpret=o.interpret,
               dot_dtype=jnp.dtype(o.dot_dtype), **options)
     stages = {name: partial(getattr(state, name), **kw) for name in (
         "state_fwd", "state_last", "cp_summary", "state_bwd")}
-    return dict(stages, state_output=partial(state.state_output, tokens=o.tokens, **kw))
+    return dict(stages, state_output=partial(state.state_output, tokens=o.tokens,
+                                             out_dtype=out_dtype, **kw))
 
 
 def _pallas_scalar_stages(o: StageOptions) -> Stages:
@@ -195,7 +197,9 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
     # (docs/precision.md).
-    state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products, blocks=StateBlocks.channel(),
+    # o leaves in the inputs' dot dtype (bf16 for bf16 inputs), as the op returns it
+    state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products,
+                                 out_dtype=jnp.dtype(o.dot_dtype), blocks=StateBlocks.channel(),
                                  tile_dtype=tile_dtype)
     return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)

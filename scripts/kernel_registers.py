@@ -106,6 +106,7 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
+    from jaxcp.layout import build_layout
     from jaxcp.pallas import grads_channel, intra_channel
     from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import ChunkBlocks
@@ -114,24 +115,29 @@ def main(argv=None) -> int:
     blocks = ChunkBlocks(col_block=args.col_block, num_warps=args.warps,
                          num_stages=args.stages)
     NT, B, H, C, K = 2, 1, 2, 64, args.K
+    T = NT * C
     spec = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct((NT, B, H) + s, dtype)
-    tile, vec, square, state = spec(C, K), spec(C), spec(C, C), spec(K, K)
-    token, token_vec = spec(C, K, dtype=args.dtype), spec(C, dtype=args.dtype)
+    tile, square, state = spec(C, K), spec(C, C), spec(K, K)
+    token = jax.ShapeDtypeStruct((B, T, H, K), args.dtype)
+    token_vec = jax.ShapeDtypeStruct((B, T, H), args.dtype)
+    layout, _ = build_layout(B, T, C, None, 0, T)
     products = Fp32Products.for_inputs(args.dtype)
     scale = K ** -0.5
     rows = lambda q, k: unit_row_scales(q, k, args.normalize_qk)
     programs = {
-        "forward gated sums": (lambda q, k, g, beta: intra_channel.gated_sums(
-            q, k, g, beta, scale, gate_bound=args.gate_bound, precise=False, blocks=blocks,
-            diagonal_blocks=blocks, **rows(q, k)), (token, token, tile, token_vec)),
-        "forward terms": (lambda q, k, v, g, beta, a: intra_channel.wy_terms(
-            q, k, v, g, beta, scale, a=a, precise=False, blocks=blocks, with_inverse=True,
-            **rows(q, k)), (token, token, token, tile, token_vec, square)),
-        "cotangents": (lambda q, k, v, g, beta, w, u, inv, h, v_new, x, dvn, do:
+        "forward gated sums": (lambda q, k, G, beta: intra_channel.gated_sums(
+            q, k, G, beta, scale, layout, gate_bound=args.gate_bound, precise=False,
+            blocks=blocks, diagonal_blocks=blocks, **rows(q, k)),
+            (token, token, tile, token_vec)),
+        "forward terms": (lambda q, k, v, G, beta, a: intra_channel.wy_terms(
+            q, k, v, G, beta, scale, layout, a=a, precise=False, blocks=blocks,
+            with_inverse=True, **rows(q, k)), (token, token, token, tile, token_vec, square)),
+        "cotangents": (lambda q, k, v, G, beta, w, u, inv, h, v_new, x, dvn, do:
                        grads_channel.chunk_grads(
-                           q, k, v, g, beta, scale, ChunkTerms(w, u, None, None, None, None, inv),
-                           h, v_new, x, dvn, do, gate_bound=args.gate_bound, precise=True,
-                           products=products, normalize_qk=args.normalize_qk, blocks=blocks),
+                           q, k, v, G, beta, scale, layout,
+                           ChunkTerms(w, u, None, None, None, None, inv), h, v_new, x, dvn, do,
+                           gate_bound=args.gate_bound, precise=True, products=products,
+                           normalize_qk=args.normalize_qk, blocks=blocks),
                        (token,) * 3 + (tile, token_vec, tile, tile, square, state, tile, state,
                                        tile, token)),
     }

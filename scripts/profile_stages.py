@@ -15,7 +15,7 @@ recomputes), the reverse recurrence, and the input cotangents; then the whole op
 chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
 state columns per program, warps, pipeline stages); --variants TEXT times only the
 variant rows whose name contains TEXT. --op kda times KDA's stages instead
-(chunk layout); its --variants re-time the forward gated sums, the cotangent kernels and
+(token-major, the gate as its chunk cumsum G); its --variants re-time the forward gated sums, the cotangent kernels and
 the state recurrences under other launch configurations. --interpret runs the kernels in
 interpret mode (a smoke test on the CPU, with small --T and --H).
 """
@@ -184,41 +184,45 @@ def _table(rows, T, H, D):
 
 def _profile_kda(args, cu):
     """The KDA stages of ``stages_for(backend, Gate.CHANNEL)`` for bf16 inputs, each alone,
-    on inputs in the chunk layout as the op passes them (q, k normalised by XLA), then the
-    whole op."""
+    on inputs as the op passes them (token-major, q, k normalised by XLA, the gate as G
+    from the gate kernel), then the whole op."""
     import jax
     import jax.numpy as jnp
     import jaxcp
     from jaxcp.bench.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
-    from jaxcp.layout import build_layout, num_chunks, to_chunks
+    from jaxcp.layout import build_layout, num_chunks
+    from jaxcp.pallas.gate_cumsum import GateCumsum, chunk_gate
     from jaxcp.stages import implementation, stages_for
 
     T, H, D, C = args.T, args.H, args.D, 64
     backend = "interpret" if args.interpret else "pallas"
     impl = implementation(backend, Gate.CHANNEL)
     qk_dtype, v_dtype = impl.qk_dtype("bfloat16"), impl.v_dtype("bfloat16")
-    st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C, unit_qk=True)
+    st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C, unit_qk=True, tokens=T)
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H, D)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32)).astype(jnp.bfloat16)
     cu_seqlens = None if cu is None else jnp.asarray(cu, jnp.int32)
-    layout, tmap = build_layout(1, T, C, cu_seqlens, 0, T)
+    layout, _ = build_layout(1, T, C, cu_seqlens, 0, T)
     NT = num_chunks(T, C, None if cu is None else len(cu) - 1)
     scale = D ** -0.5
     rows = []
     timed = partial(_timed, rows, args.iters)
+    gate_cumsum = lambda g: chunk_gate(GateCumsum(C, NT, interpret=args.interpret), g, None,
+                                       None, layout)
 
-    def chunked(q, k, v, g, beta):
+    def normed(q, k, v, beta):
         f32 = lambda x: x.astype(jnp.float32)
         q, k = (l2_normalize(f32(x)).astype(qk_dtype) for x in (q, k))
-        return tuple(to_chunks(x, tmap, NT, C)
-                     for x in (q, k, v.astype(v_dtype), f32(g), f32(beta)))
+        return q, k, v.astype(v_dtype), f32(beta)
 
-    xs = timed("l2norm + to_chunks (XLA)", chunked, q, k, v, g, beta)
+    q_n, k_n, v_n, beta_n = timed("l2norm (XLA)", normed, q, k, v, beta)
+    G = timed("gate cumsum (kda_gate_cumsum)", gate_cumsum, g)
+    xs = (q_n, k_n, v_n, G, beta_n)
     timed("intra", lambda *a: st.intra(*a, scale, layout), *xs)
     terms = timed("intra keeping the inverse (forward under grad)",
                   lambda *a: st.intra(*a, scale, layout, with_inverse=True), *xs)
@@ -230,17 +234,16 @@ def _profile_kda(args, cu):
           lambda t: st.state_output(t, layout, None, h0, False)[0], terms)
     h, vn, _ = timed("state_fwd (stores h, v_new)",
                      lambda t: st.state_fwd(t, layout, None, h0), terms)
-    do = to_chunks(r(1, T, H, D), tmap, NT, C)
+    do = r(1, T, H, D)
     _, _, x, dvn = timed("state_bwd", lambda t, d: st.state_bwd(t, layout, d, None, h0),
                          terms, do)
     timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
           *xs, terms, h, vn, x, dvn, do)
     if args.variants is not None:
-        raw_chunks = lambda *a: tuple(to_chunks(x, tmap, NT, C) for x in a)
-        raw = (timed("variant: to_chunks of the raw bf16 q, k, v (no norm)", raw_chunks, q, k, v)
-               or raw_chunks(q, k, v))
-        _kda_variants(partial(_timed_variant, rows, args.iters, args.variants), xs, raw, terms,
-                      h, vn, x, dvn, do, layout, h0, scale, args.interpret)
+        bounded = gate_cumsum(jnp.maximum(g, -5.0))
+        _kda_variants(partial(_timed_variant, rows, args.iters, args.variants), xs,
+                      (q, k, v), bounded, terms, h, vn, x, dvn, do, layout, h0, scale,
+                      args.interpret)
     op = partial(jaxcp.chunk_kda, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                  backend=backend)
     timed("op forward", lambda *a: op(*a)[0], q, k, v, g, beta)
@@ -250,7 +253,7 @@ def _profile_kda(args, cu):
     _table(rows, T, H, D)
 
 
-def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, scale,
+def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, layout, h0, scale,
                   interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
     gated sums (their two kernels apart) and the cotangent kernels under ``ChunkBlocks``
@@ -258,9 +261,9 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
     bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, and reading
     float32 tiles (``state_output``'s tile_dtype); and the stages that read q, k with the
-    norm in the kernels (normalize_qk) from the raw bf16 q, k, v (raw, chunk layout) in
-    place of the XLA-normalised float32 copies. A variant that cannot compile is reported,
-    not fatal."""
+    norm in the kernels (normalize_qk) from the raw bf16 q, k, v (raw) in place of the
+    XLA-normalised float32 copies. bounded: G of the gates clipped to -5. A variant that
+    cannot compile is reported, not fatal."""
     from dataclasses import replace
 
     import jax.numpy as jnp
@@ -273,7 +276,7 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     def variant(name, fn, *a):
         timed_variant("variant: " + name, fn, *a)
 
-    q, k, v, g, beta = xs
+    q, k, v, G, beta = xs
     chunk_blocks = lambda col, warps, stages: (f"{col} columns, {warps} warps, {stages} stages",
                                                ChunkBlocks(col, warps, stages))
 
@@ -284,26 +287,26 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
                 replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
 
     sums = lambda blocks=None, diagonal_blocks=None: lambda *a: intra_channel.gated_sums(
-        *a, scale, precise=False, blocks=blocks, diagonal_blocks=diagonal_blocks,
+        *a, scale, layout, precise=False, blocks=blocks, diagonal_blocks=diagonal_blocks,
         interpret=interpret)
-    variant("gated sums as shipped", sums(), q, k, g, beta)
+    variant("gated sums as shipped", sums(), q, k, G, beta)
     for how, b in [chunk_blocks(*c) for c in ((16, 1, 2), (32, 1, 1), (32, 1, 3), (32, 2, 2),
                                                (32, 4, 2), (64, 1, 1), (64, 1, 2), (64, 2, 2),
                                                (128, 1, 1))]:
-        variant(f"gated sums across sub-chunks {how}", sums(blocks=b), q, k, g, beta)
+        variant(f"gated sums across sub-chunks {how}", sums(blocks=b), q, k, G, beta)
     shipped = ChunkBlocks.sub_chunk()
     for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (32, 4, 1), (32, 2, 1), (128, 8, 1),
                                                (64, 4, 2))] + [other_launch_order(shipped)]:
-        variant(f"gated sums diagonal {how}", sums(diagonal_blocks=b), q, k, g, beta)
+        variant(f"gated sums diagonal {how}", sums(diagonal_blocks=b), q, k, G, beta)
     for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (64, 8, 2), (64, 4, 1), (32, 4, 2),
                                                (32, 8, 1))]:
         variant(f"intra, wy_terms {how}", lambda *a, b=b: intra_channel.intra_chunk(
-            *a, scale, precise=False, blocks=b, tile_dtype=terms.w.dtype,
+            *a, scale, layout, precise=False, blocks=b, tile_dtype=terms.w.dtype,
             interpret=interpret), *xs)
     # the gate bound of safe_gate (lower_bound -5), on the gates clipped to it
-    bounded = jnp.maximum(g, -5.0)
     variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(
-        *a, scale, gate_bound=-5.0, precise=False, interpret=interpret), q, k, bounded, beta)
+        *a, scale, layout, gate_bound=-5.0, precise=False, interpret=interpret),
+        q, k, bounded, beta)
     # the products the stage table picks for bf16 inputs, unless a row says otherwise
     products = Fp32Products.for_inputs(jnp.bfloat16)
     as_shipped = dict(products=products, interpret=interpret)
@@ -311,10 +314,10 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
     other_products = [(f"with {name} products", p) for p, name in names.items()
                       if p is not products]
     variant("chunk_grads with gate bound -5", lambda *a: grads_channel.chunk_grads(
-        *a[:5], scale, *a[5:], gate_bound=-5.0, **as_shipped),
+        *a[:5], scale, layout, *a[5:], gate_bound=-5.0, **as_shipped),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
     grads = lambda blocks=None, across_blocks=None, p=products: lambda *a: (
-        grads_channel.chunk_grads(*a[:5], scale, *a[5:], blocks=blocks,
+        grads_channel.chunk_grads(*a[:5], scale, layout, *a[5:], blocks=blocks,
                                   across_blocks=across_blocks, products=p,
                                   interpret=interpret))
     grads_inputs = (*xs, terms, h, vn, x, dvn, do)
@@ -325,25 +328,26 @@ def _kda_variants(timed_variant, xs, raw, terms, h, vn, x, dvn, do, layout, h0, 
         variant(f"chunk_grads {how}", grads(blocks=b), *grads_inputs)
     for how, p in other_products:
         variant(f"chunk_grads {how}", grads(p=p), *grads_inputs)
-    # the norm in the kernels: raw bf16 q, k, v in chunk layout, q, k normalised as read
+    # the norm in the kernels: raw bf16 q, k, v, q, k normalised as read
     normed_kw = dict(normalize_qk=True, interpret=interpret)
     raw_xs = (*raw, *xs[3:])
     variant("intra with the norm in the kernels (raw bf16 q, k, v)", lambda *a: (
-        intra_channel.intra_chunk(*a, scale, precise=False, **normed_kw)), *raw_xs)
+        intra_channel.intra_chunk(*a, scale, layout, precise=False, **normed_kw)), *raw_xs)
     variant("intra_again with the norm in the kernels", lambda *a: (
-        intra_channel.recompute_terms(*a, scale, intra_channel.kept_for_terms(terms),
+        intra_channel.recompute_terms(*a, scale, layout, intra_channel.kept_for_terms(terms),
                                       precise=False, **normed_kw)), *raw_xs)
     variant("chunk_grads with the norm in the kernels (its vjp by XLA)", lambda *a: (
-        grads_channel.chunk_grads(*a[:5], scale, *a[5:], **dict(normed_kw, **as_shipped))),
+        grads_channel.chunk_grads(*a[:5], scale, layout, *a[5:],
+                                  **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
-    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=False,
+    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=True,
               tile_dtype=terms.w.dtype, **as_shipped)
 
     def state_variants(how, stage_terms, stages, **options):
         """Rows "<stage> <how>" of the named state recurrences with options over kw."""
         o = dict(kw, **options)
         runs = {"state_output": lambda t: pstate.state_output(t, layout, None, h0, False,
-                                                              **o)[0],
+                                                              tokens=do.shape[1], **o)[0],
                 "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **o),
                 "state_bwd": lambda t, d: pstate.state_bwd(t, layout, d, None, h0, **o)}
         for stage in stages:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxcp import xla
-from jaxcp.gate import Gate
+from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas import grads as pgrads
@@ -224,25 +224,92 @@ def kda_chunks(C, K, V, gates, seed=0):
     return r(*shape, K), r(*shape, K) / 4, r(*shape, V), g[gates](), jax.nn.sigmoid(r(*shape))
 
 
-@pytest.mark.parametrize("C, K", [(16, 16), (64, 256)])
-def test_kda_gate_cumsum(C, K):
-    """The chunk cumsum and its reverse equal the float64 sums over each chunk's rows; the
-    reverse sums only the rows at and after each row, so rows after 1e6-sized ones keep
-    their own digits (a difference of prefix sums would leave 1e6 * 2^-24 there)."""
+@pytest.mark.parametrize("C, K, layout_name", [(16, 16, "packed"), (64, 256, "even")])
+def test_kda_gate_cumsum(C, K, layout_name):
+    """The gate kernel reads g in place and writes G, the float64 cumsum over each chunk's
+    rows (padding rows holding the chunk's last G); its backward's reverse cumsum sums only
+    the rows at and after each row, so rows after 1e6-sized ones keep their own digits (a
+    difference of prefix sums would leave 1e6 * 2^-24 there)."""
+    T, cu = {"packed": LAYOUTS["packed"], "even": (3 * C, None)}[layout_name]
+    layout, chunks, tokens = token_layout(T, C, cu)
+    NT = layout.chunk_starts.shape[0]
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 1, 2, C, K))
-    x[:, :, :, : C // 2] *= 1e6
-    x32 = jnp.asarray(x, jnp.float32)
+    early = (jnp.arange(NT * C) % C < C // 2).reshape(NT, 1, 1, C, 1)
+    big = lambda x: jnp.where(early, 1e6 * x, x)
+    g = tokens(big(jnp.asarray(rng.standard_normal((NT, 1, 2, C, K)), jnp.float32)))
+    dG = big(jnp.asarray(rng.standard_normal((NT, 1, 2, C, K)), jnp.float32))
+    cfg = gate_cumsum.GateCumsum(C, NT, interpret=True)
+    G, vjp = jax.vjp(lambda g: gate_cumsum.chunk_gate(cfg, g, None, None, layout), g)
+    (dg,) = vjp(dG)
+    assert G.dtype == dg.dtype == jnp.float32
     with jax.enable_x64():
-        x64 = x32.astype(jnp.float64)
-        want_G, want_dg = jnp.cumsum(x64, axis=3), jax.lax.cumsum(x64, axis=3, reverse=True)
-        got_G = gate_cumsum.chunk_cumsum(x32, interpret=True)
-        got_dg = gate_cumsum.reverse_chunk_cumsum(x32, interpret=True)
-        assert got_G.dtype == got_dg.dtype == jnp.float32
-        assert rel_err(got_G, want_G) < 1e-6
-        tail = slice(C // 2, None)
-        assert rel_err(got_dg[:, :, :, tail], want_dg[:, :, :, tail]) < 1e-6
-        assert rel_err(got_dg, want_dg) < 1e-6
+        want_G = jnp.cumsum(chunks(g).astype(jnp.float64), axis=3)
+        want_dg = tokens(jax.lax.cumsum(dG.astype(jnp.float64), axis=3, reverse=True))
+        assert rel_err(G, want_G) < 1e-6
+        late = tokens(~early & jnp.ones(dG.shape, bool))
+        assert rel_err(jnp.where(late, dg, 0), jnp.where(late, want_dg, 0)) < 1e-6
+        assert rel_err(dg, want_dg) < 1e-6
+
+
+@pytest.mark.parametrize("lower_bound, with_a_log", [(None, True), (-5.0, True),
+                                                     (-5.0, False)])
+def test_kda_gate_activation_in_kernel(lower_bound, with_a_log):
+    """The gate kernel with the activation inside (FLA's use_gate_in_kernel; the softplus
+    form always has A_log): G and the cotangents of the raw g, A_log and dt_bias equal those
+    of ``decay_from_raw`` by XLA, then the cumsum, on packed sequences."""
+    T, cu = LAYOUTS["packed"]
+    C, K, HV = 16, 32, 2
+    layout, chunks, _ = token_layout(T, C, cu)
+    NT = layout.chunk_starts.shape[0]
+    rng = np.random.default_rng(3)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    g, A_log, dt_bias, dG = r(1, T, HV, K), r(HV) if with_a_log else None, r(HV * K), \
+        r(NT, 1, HV, C, K)
+    cfg = gate_cumsum.GateCumsum(C, NT, activate=True, lower_bound=lower_bound,
+                                 interpret=True)
+    fused = lambda g, a, b: gate_cumsum.chunk_gate(cfg, g, a, b, layout)
+    unfused = lambda g, a, b: jnp.cumsum(chunks(decay_from_raw(Gate.CHANNEL, g, a, b,
+                                                               lower_bound)), axis=3)
+    got, got_vjp = jax.vjp(fused, g, A_log, dt_bias)
+    want, want_vjp = jax.vjp(unfused, g, A_log, dt_bias)
+    assert_rel(got, want, 1e-6, "G")
+    for name, a, b in zip(("dg", "dA_log", "ddt_bias"), got_vjp(dG), want_vjp(dG)):
+        if b is not None:
+            assert_rel(a, b, 1e-5, name)
+
+
+def kda_in_place(args):
+    """The Pallas KDA stages' arguments from chunk-layout (q, k, v, g, beta) of whole chunks
+    (B = 1): q, k, v, beta token-major, G from the gate kernel, the layout; and gate_grad,
+    which takes the stages' dG to dg in the chunk layout (the gate kernel's backward)."""
+    NT, B, HV, C = args[0].shape[:4]
+    T = NT * C
+    q, k, v, g, beta = (from_chunks(x, None, T) for x in args)
+    layout, _ = build_layout(B, T, C, None, 0, T)
+    cfg = gate_cumsum.GateCumsum(C, NT, interpret=True)
+    G, vjp = jax.vjp(lambda g: gate_cumsum.chunk_gate(cfg, g, None, None, layout), g)
+    gate_grad = lambda dG: to_chunks(vjp(dG)[0], None, NT, C)
+    return (q, k, v, G, beta), layout, gate_grad
+
+
+def kda_chunk_grads(args, terms, rest, **kw):
+    """pgrads_channel.chunk_grads on ``kda_in_place`` arguments of the chunk-layout args,
+    the cotangents brought back to the chunk layout (dG through the gate kernel's
+    backward to dg)."""
+    (q, k, v, G, beta), layout, gate_grad = kda_in_place(args)
+    *rest, do = rest
+    NT, C = G.shape[0], G.shape[3]
+    chunked = lambda x: to_chunks(x, None, NT, C)
+    dq, dk, dv, dG, dbeta = pgrads_channel.chunk_grads(
+        q, k, v, G, beta, 0.3, layout, terms, *rest, from_chunks(do, None, NT * C),
+        interpret=True, **kw)
+    return chunked(dq), chunked(dk), chunked(dv), gate_grad(dG), chunked(dbeta)
+
+
+def kda_intra(args, **kw):
+    """intra_channel.intra_chunk on ``kda_in_place`` arguments of the chunk-layout args."""
+    pargs, layout, _ = kda_in_place(args)
+    return intra_channel.intra_chunk(*pargs, 0.3, layout, interpret=True, **kw)
 
 
 @pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])
@@ -252,12 +319,13 @@ def test_intra_chunk_kda(C, K, V):
     they equal the forward's."""
     args = kda_chunks(C, K, V, "random")
     want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
-    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
-    assert intra_channel.intra_chunk(*args, 0.3, interpret=True).inv is None
+    got = kda_intra(args, with_inverse=True)
+    assert kda_intra(args).inv is None
     assert_terms(got, want, 1e-5)
     # the backward's terms from the kept T and attn are the forward's, bit for bit
-    again = intra_channel.recompute_terms(*args, 0.3, intra_channel.kept_for_terms(got),
-                                          interpret=True)
+    pargs, layout, _ = kda_in_place(args)
+    again = intra_channel.recompute_terms(*pargs, 0.3, layout,
+                                          intra_channel.kept_for_terms(got), interpret=True)
     for name in got._fields:
         if getattr(got, name) is not None:
             np.testing.assert_array_equal(getattr(again, name), getattr(got, name), name)
@@ -269,7 +337,7 @@ def test_intra_chunk_kda_very_negative_gates(gates):
     the XLA twin (the same chunk cumsum, whose differences lose digits at -1e3; the products
     across sub-chunks split each exponent at a reference row)."""
     args = kda_chunks(64, 16, 16, gates)
-    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
+    got = kda_intra(args, with_inverse=True)
     want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
     with jax.enable_x64():
         exact = xla.intra_chunk(*(x.astype(jnp.float64) for x in args), 0.3, gate=Gate.CHANNEL,
@@ -292,12 +360,10 @@ def test_kda_gate_bound(gates):
          "at the bound": lambda: jnp.full(args[3].shape, -5.0)}[gates]()
     args = args[:3] + (g,) + args[4:]
     want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
-    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, gate_bound=-5.0,
-                                    interpret=True)
+    got = kda_intra(args, with_inverse=True, gate_bound=-5.0)
     assert_terms(got, want, 1e-5)
     grads_want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
-    grads_got = pgrads_channel.chunk_grads(*args, 0.3, want, *rest, gate_bound=-5.0,
-                                           interpret=True)
+    grads_got = kda_chunk_grads(args, want, rest, gate_bound=-5.0)
     exact = float64_chunk_grads(args, rest)
     for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_got, grads_want,
                                exact):
@@ -309,7 +375,7 @@ def test_kda_gate_bound(gates):
 def test_kda_gate_bound_outside_its_range_is_refused(gate_bound):
     args = kda_chunks(16, 16, 16, "random")
     with pytest.raises(ValueError, match="gate_bound"):
-        intra_channel.intra_chunk(*args, 0.3, gate_bound=gate_bound, interpret=True)
+        kda_intra(args, gate_bound=gate_bound)
 
 
 def test_kda_sub_chunks_first_launch_order():
@@ -317,16 +383,14 @@ def test_kda_sub_chunks_first_launch_order():
     order), the gated sums and the cotangents are the same numbers. Mixed gates, so that
     the diagonal kernels go pair by pair on some sub-chunks."""
     flipped = lambda blocks: replace(blocks, sub_chunks_first=not blocks.sub_chunks_first)
-    args = kda_chunks(32, 32, 16, "mixed")
-    want = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True)
-    got = intra_channel.gated_sums(*args[:2], args[3], args[4], 0.3, interpret=True,
-                                   diagonal_blocks=flipped(ChunkBlocks.sub_chunk()))
-    for a, b in zip(got, want):
+    (q, k, _, G, beta), layout, _ = kda_in_place(kda_chunks(32, 32, 16, "mixed"))
+    sums = lambda **kw: intra_channel.gated_sums(q, k, G, beta, 0.3, layout, interpret=True,
+                                                 **kw)
+    for a, b in zip(sums(diagonal_blocks=flipped(ChunkBlocks.sub_chunk())), sums()):
         np.testing.assert_array_equal(a, b)
     args, terms, rest = kda_grads_inputs(32, 32, 16, "mixed")
-    want = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
-    got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True,
-                                     blocks=flipped(ChunkBlocks.channel_grads()))
+    want = kda_chunk_grads(args, terms, rest)
+    got = kda_chunk_grads(args, terms, rest, blocks=flipped(ChunkBlocks.channel_grads()))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
@@ -355,7 +419,7 @@ def test_chunk_grads_kda(C, K, V):
     in column blocks at 128) equal the XLA twin's."""
     args, terms, rest = kda_grads_inputs(C, K, V, "random")
     want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
-    got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
+    got = kda_chunk_grads(args, terms, rest)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, b, 1e-5, name)
 
@@ -367,10 +431,10 @@ def test_kda_diagonal_blocks_as_products_or_pair_by_pair():
     equal the XLA twin's, and neither path wrote the other's blocks."""
     args, _, rest = kda_grads_inputs(64, 32, 16, "mixed")
     want = xla.intra_chunk(*args, 0.3, gate=Gate.CHANNEL, with_inverse=True)
-    got = intra_channel.intra_chunk(*args, 0.3, with_inverse=True, interpret=True)
+    got = kda_intra(args, with_inverse=True)
     assert_terms(got, want, 1e-5)
     grads_want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
-    grads_got = pgrads_channel.chunk_grads(*args, 0.3, want, *rest, interpret=True)
+    grads_got = kda_chunk_grads(args, want, rest)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_got, grads_want):
         assert bool(jnp.all(jnp.isfinite(a))), name
         assert_rel(a, b, 1e-5, name)
@@ -381,7 +445,7 @@ def test_chunk_grads_kda_very_negative_gates(gates):
     """Gates of -30 and -1e3 per token: the cotangents are finite and no further from the
     float64 ones than the XLA twin's."""
     args, terms, rest = kda_grads_inputs(64, 16, 16, gates)
-    got = pgrads_channel.chunk_grads(*args, 0.3, terms, *rest, interpret=True)
+    got = kda_chunk_grads(args, terms, rest)
     want = xla.chunk_grads(*args, 0.3, None, *rest, gate=Gate.CHANNEL)
     exact = float64_chunk_grads(args, rest)
     for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, exact):
@@ -399,10 +463,10 @@ def test_kda_normalize_qk_in_kernels():
     unit = lambda q, k: (l2_normalize(q), l2_normalize(k))
     normed = (*unit(*raw), *args[2:])
     want = xla.intra_chunk(*normed, 0.3, gate=Gate.CHANNEL, with_inverse=True)
-    got = intra_channel.intra_chunk(*raw, *args[2:], 0.3, with_inverse=True,
-                                    normalize_qk=True, interpret=True)
+    got = kda_intra((*raw, *args[2:]), with_inverse=True, normalize_qk=True)
     assert_terms(got, want, 1e-5)
-    again = intra_channel.recompute_terms(*raw, *args[2:], 0.3,
+    pargs, layout, _ = kda_in_place((*raw, *args[2:]))
+    again = intra_channel.recompute_terms(*pargs, 0.3, layout,
                                           intra_channel.kept_for_terms(got),
                                           normalize_qk=True, interpret=True)
     assert_terms(again, want, 1e-5)
@@ -411,8 +475,7 @@ def test_kda_normalize_qk_in_kernels():
     dqn, dkn, *others = xla.chunk_grads(qn, kn, *args[2:], 0.3, None, *rest,
                                         gate=Gate.CHANNEL)
     want_grads = (*unit_vjp((dqn, dkn)), *others)
-    got = pgrads_channel.chunk_grads(*raw, *args[2:], 0.3, want, *rest, normalize_qk=True,
-                                     interpret=True)
+    got = kda_chunk_grads((*raw, *args[2:]), want, rest, normalize_qk=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want_grads):
         assert a.dtype == jnp.float32, name
         assert_rel(a, b, 1e-5, name)
@@ -520,14 +583,17 @@ def test_state_kernels_read_tokens_in_place(layout_name, device):
 
 
 def test_implementation_table():
-    """The table says each implementation's policy: token-major tensors and in-kernel
-    normalisation only for the Pallas GDN stages; "interpret" runs the Pallas entries; a
-    normalize_qk that an implementation cannot do, or an unknown backend, is refused; the
-    state kernels read token-major q, k only as row-factored terms."""
+    """The table says each implementation's policy: token-major tensors for the Pallas
+    stages, G for the Pallas KDA stages, in-kernel normalisation only for the Pallas GDN
+    stages; "interpret" runs the Pallas entries; a normalize_qk that an implementation
+    cannot do, or an unknown backend, is refused; a token-major o from plain terms needs
+    its length told."""
     from jaxcp.stages import implementation, stages_for
     assert implementation("interpret", Gate.SCALAR) is implementation("pallas", Gate.SCALAR)
     assert [implementation(b, gate).token_major for b in ("xla", "pallas")
-            for gate in Gate] == [False, False, True, False]
+            for gate in Gate] == [False, False, True, True]
+    assert [implementation(b, gate).gate_cumsum for b in ("xla", "pallas")
+            for gate in Gate] == [False, False, False, True]
     assert implementation("pallas", Gate.SCALAR).normalizes_qk(128)
     assert not implementation("pallas", Gate.SCALAR).normalizes_qk(256)
     assert implementation("pallas", Gate.SCALAR).qk_dtype("bfloat16") == jnp.bfloat16
@@ -542,9 +608,9 @@ def test_implementation_table():
     layout, chunks, _ = token_layout(64, 16)
     q, k, v, g, beta, _ = make_inputs("gdn", 1, 64, 1, 1, 16, 16)
     terms = xla.intra_chunk(*map(chunks, (q, k, v, g[..., None], beta)), 0.25, gate=Gate.SCALAR)
-    with pytest.raises(ValueError, match="row-factored"):
-        pstate.state_last(terms, layout, None, jnp.zeros((1, 1, 16, 16)), gate=Gate.SCALAR,
-                          token_major=True, interpret=True)
+    with pytest.raises(ValueError, match="tokens"):
+        pstate.state_output(terms, layout, None, jnp.zeros((1, 1, 16, 16)), False,
+                            gate=Gate.SCALAR, token_major=True, interpret=True)
     with pytest.raises(ValueError, match="gate"):
         pstate.state_last(terms, layout, None, jnp.zeros((1, 1, 16, 16)), gate=Gate.CHANNEL,
                           interpret=True)

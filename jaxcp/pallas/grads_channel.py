@@ -81,7 +81,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     bk, bv = blocks.cols(K), blocks.cols(V)
     dot = dots.plain
     value_cols = [pl.ds(j * bv, bv) for j in range(V // bv)]
-    tiles = lambda ref: [ref[:, c] for c in value_cols]
+    tiles = lambda ref: [f32(ref[:, c]) for c in value_cols]
     dattn = _sum_products(dot, tiles(r.do), tiles(r.v_new))
     r.mq[...] = lower(dattn * scale, strict=False)
     last_row = iota((C, bk), 0) == C - 1
@@ -94,7 +94,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
             dqg, dkd, dw, d_decay = acc
             vcols = pl.ds(pl.multiple_of(j * bv, bv), bv)
             h, x = f32(r.h[ch.cols, vcols]), f32(r.x[ch.cols, vcols])
-            return (dqg + dot(r.do[:, vcols], h.T),
+            return (dqg + dot(f32(r.do[:, vcols]), h.T),
                     dkd + dot(f32(r.v_new[:, vcols]), x.T),
                     dw - dot(f32(r.dvn[:, vcols]), h.T),
                     d_decay + jnp.sum(h * x, axis=1))

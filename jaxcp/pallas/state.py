@@ -266,13 +266,14 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                  token_major: bool = False, split_state: bool = False,
                  span: jax.Array | None = None, blocks: StateBlocks | None = None,
                  products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None,
-                 tokens: int | None = None, name: str):
+                 tokens: int | None = None, out_dtype=None, name: str):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
     bf16 parts each (``common.dot``); span ([B], ``_span_loop``): loop over those chunks
     only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
-    state (``common.Fp32Products``); tile_dtype, tokens: as in ``state_output``. Returns
+    state (``common.Fp32Products``); tile_dtype, tokens, out_dtype: as in
+    ``state_output``. Returns
     the outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
@@ -305,7 +306,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
             out.add("v_new", sp.chunk_v, struct((NT, B, HV, C, cols), dot_dtype))
         if with_output:
             o_shape = (B, c.T, HV, cols) if token_major else (NT, B, HV, C, cols)
-            out.add("o", sp.token_v, struct(o_shape, terms.u.dtype))
+            out.add("o", sp.token_v, struct(o_shape, out_dtype or terms.u.dtype))
         if with_finals:
             out.add("finals", sp.seq_state(n_seqs), struct((n_seqs, HV, K, cols), jnp.float32))
         out.add("last", sp.state, struct((B, HV, K, cols), jnp.float32))
@@ -322,11 +323,12 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
 def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, token_major=False,
                  interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
                  products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None,
-                 tokens: int | None = None):
+                 tokens: int | None = None, out_dtype=None):
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
-    Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in the dtype of u;
+    Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in out_dtype, or if
+    None the dtype of u;
     finals [N, HV, K, V] or None). tile_dtype: the dtype the kernel reads w, kd, qg and attn
     in (dot_dtype if None; u, the states and v_new stay in dot_dtype). float16 with float32
     dot_dtype and TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at
@@ -336,7 +338,7 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, toke
                        interpret=interpret, dot_dtype=dot_dtype, with_output=True,
                        with_finals=with_finals, token_major=token_major, blocks=blocks,
                        products=products, tile_dtype=tile_dtype, tokens=tokens,
-                       name="state_output")
+                       out_dtype=out_dtype, name="state_output")
     return out["o"], out.get("finals")
 
 
@@ -398,7 +400,7 @@ _BwdRefs = refs_type("_BwdRefs", "w kd decay starts seq qg attn do ends carry d_
                       "token_start token_count k_rows q_rows d_final span d_init_zeros x dvn d_init")
 
 
-def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products):
+def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products, dot_dtype):
     r = named(_BwdRefs, names, refs)
     mul = lambda a, b: dot(a, b, interpret=interpret, products=products)
     rows = _token_rows(r, token_major, r.w.shape[1])
@@ -409,7 +411,7 @@ def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products):
         x = carry
         if r.d_final is not None:
             x = x + jnp.where(r.ends[i] != 0, r.d_final[r.seq[i]], 0.0)
-        do = _chunk_of(r.do, i, rows)
+        do = _chunk_of(r.do, i, rows).astype(dot_dtype)
         dvn = (mul(r.attn[i].T, do)
                + _scale_rows(mul(_chunk_of(r.kd, i, qk_rows), x), r.k_rows, i))
         dh = (_decay(r.decay, i, gate) * x
@@ -435,7 +437,9 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
               tile_dtype=None):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
     X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
-    layout or, with token_major, [B, T, HV, V]. unused (bool scalar, with entry_only: the
+    layout or, with token_major, [B, T, HV, V], in any float dtype (the kernel reads it in
+    dot_dtype: a bf16 do for float32 products is read as is, and widened in registers).
+    unused (bool scalar, with entry_only: the
     first device's d_entry): no chunk is run and d_entry is zero. tile_dtype as in
     ``state_output``."""
     V = do.shape[-1]
@@ -447,7 +451,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
     with_d_init = with_d_init and not entry_only
     ins.add("qg", sp.token_k if factored else sp.chunk_k, terms.qg.astype(tile_dtype))
     ins.add("attn", sp.chunk_cc, terms.attn.astype(tile_dtype))
-    ins.add("do", sp.token_v, do.astype(dot_dtype))
+    ins.add("do", sp.token_v, do)
     ins.add("ends", sp.per_chunk, layout.chunk_ends.astype(jnp.int32))
     if factored:
         ins.add("q_rows", sp.rows, terms.q_rows)
@@ -474,7 +478,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
                name="state_entry_cotangent" if entry_only else "state_bwd",
                params=c.blocks.params(interpret, tile_bytes),
                aliases={"d_init_zeros": "d_init"} if with_d_init else None, nt=NT, gate=gate,
-               token_major=token_major, interpret=interpret, products=products)[0]
+               token_major=token_major, interpret=interpret, products=products,
+               dot_dtype=jnp.dtype(dot_dtype))[0]
     if entry_only:
         return out["d_entry"]
     return out["d_entry"], out.get("d_init"), out["x"], out["dvn"]
