@@ -105,6 +105,29 @@ def test_cp_without_initial_state_or_final_state():
     assert_rel(o_cp, o_1, 1e-4, "o")
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cp_pallas_gradients_trace_under_check_vma(kind):
+    """The Pallas ops (backend="pallas", traced, not run: interpret mode cannot run under
+    check_vma) differentiate under shard_map(check_vma=True) with the gate computed in the
+    op: every custom_vjp gives its cotangents the vma types of its inputs, the replicated
+    A_log and dt_bias included."""
+    op, _ = OPS[kind]
+    K = 16
+    q, k, v, g, beta, _ = make_inputs(kind, 1, 2 * 64, 2, 2, K, K)
+    HV = v.shape[2]
+    params = (jnp.zeros((HV,)), jnp.zeros((HV * (K if kind == "kda" else 1),)))
+    seq, rep = jax.sharding.PartitionSpec(None, "seq"), jax.sharding.PartitionSpec()
+
+    def loss(q, k, v, g, beta, A_log, dt_bias):
+        o = op(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+               cp_axis="seq", backend="pallas")[0]
+        return jax.lax.psum(jnp.sum(o * o), "seq")
+
+    f = jax.shard_map(loss, mesh=mesh_of(2), in_specs=(seq,) * 5 + (rep, rep), out_specs=rep,
+                      check_vma=True)
+    jax.make_jaxpr(jax.grad(f, argnums=tuple(range(7))))(q, k, v, g, beta, *params)
+
+
 @pytest.mark.parametrize("W, strategy", [(4, "allgather"), (4, "all_to_all"), (4, "relay"),
                                          (8, "allgather")])
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

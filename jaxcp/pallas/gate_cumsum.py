@@ -40,6 +40,7 @@ from jaxcp.pallas.common import (Operands, add_chunk_rows, call, fp32_precision,
                                  refs_type, rows_of_chunk)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import slab_spec
+from jaxcp.vma import match_cotangent
 
 # columns per program: a [64, 64] float32 tile is 32 registers per thread at 4 warps
 CUMSUM_COLS = 64
@@ -179,12 +180,15 @@ def _backward(cfg: GateCumsum, g, A_log, dt_bias, layout: ChunkLayout, dG):
 
     res, _ = call(_backward_kernel, (cfg.n_chunks, B, HV, K // bk), ins, outs,
                   name="kda_gate_cumsum_bwd", params=_LAUNCH.params(cfg.interpret), cfg=cfg)
+    # the parameters' cotangents take the parameters' vma types (under shard_map: summed
+    # over the axes the parameters are invariant on)
     d_A_log = d_bias = None
     if A_log is not None:
-        d_A_log = jnp.sum(res["d_log_a"], axis=(0, 1, 3)).astype(A_log.dtype)
+        d_A_log = match_cotangent(
+            jnp.sum(res["d_log_a"], axis=(0, 1, 3)).astype(A_log.dtype), A_log)
     if dt_bias is not None:
-        d_bias = jnp.sum(res["d_bias"], axis=(0, 1)).reshape(dt_bias.shape).astype(
-            dt_bias.dtype)
+        d_bias = match_cotangent(jnp.sum(res["d_bias"], axis=(0, 1)).reshape(
+            dt_bias.shape).astype(dt_bias.dtype), dt_bias)
     return res["dg"], d_A_log, d_bias
 
 
