@@ -6,11 +6,11 @@ public op asks it for its policy (the I/O dtype of q, k, v, token-major tensors 
 chunk layout, whether q, k are L2-normalised inside the kernels) and the core runs the
 ``Stages`` it builds. The entries:
 
-| backend  | gate    | intra-chunk terms, input cotangents | state recurrences | token-major | G |
-|----------|---------|-------------------------------------|-------------------|-------------|---|
-| "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no          | no |
-| "pallas" | SCALAR  | Pallas (``pallas.intra``, ``grads``) | Pallas (``pallas.state``) | yes  | no |
-| "pallas" | CHANNEL | Pallas (``pallas.intra_channel``, ``grads_channel``) | Pallas | yes | yes |
+| backend  | gate    | intra-chunk terms, input cotangents | state recurrences | token-major, G |
+|----------|---------|-------------------------------------|-------------------|----------------|
+| "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no, no         |
+| "pallas" | SCALAR  | Pallas (``intra``, ``grads``)       | Pallas (``state``) | yes, no       |
+| "pallas" | CHANNEL | Pallas (``intra_channel``, ``grads_channel``) | Pallas   | yes, yes       |
 
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant is
@@ -20,13 +20,13 @@ token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents 
 [B, T, HV, ...] as the caller has them, and the kernels read and write each chunk in place,
 at the rows the ``ChunkLayout`` gives it (packed sequences included); otherwise they are
 gathered into the chunk layout [NT, B, HV, C, ...] like the terms. Stages take the layout
-after ``scale``.
+after ``scale``. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
+whose bare q, k are the token tensors as given.
 
 G (``gate_cumsum``): the stages take the gate as G, its cumsum over each chunk's rows in
 the chunk layout [NT, B, HV, C, K], which the op computes first with a Pallas kernel
 (``pallas.gate_cumsum.chunk_gate``, the gate activation inside it), and their dg is dG;
-the kernel's backward takes dG to the gate. Otherwise g is the per-token decay. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
-whose bare q, k are the token tensors as given.
+the kernel's backward takes dG to the gate. Otherwise g is the per-token decay.
 """
 from __future__ import annotations
 

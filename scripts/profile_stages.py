@@ -15,9 +15,10 @@ recomputes), the reverse recurrence, and the input cotangents; then the whole op
 chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
 state columns per program, warps, pipeline stages); --variants TEXT times only the
 variant rows whose name contains TEXT. --op kda times KDA's stages instead
-(token-major, the gate as its chunk cumsum G); its --variants re-time the forward gated sums, the cotangent kernels and
-the state recurrences under other launch configurations. --interpret runs the kernels in
-interpret mode (a smoke test on the CPU, with small --T and --H).
+(token-major, the gate as its chunk cumsum G); its --variants re-time the forward gated
+sums, the cotangent kernels and the state recurrences under other launch configurations.
+--interpret runs the kernels in interpret mode (a smoke test on the CPU, with small --T
+and --H).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,30 +105,38 @@ def _backward_kernel(*refs, names, cfg: GateCumsum):
         r.d_log_a[...] = jnp.sum(dy * terms.d_log_a, axis=0)
 
 
-def _specs(cfg: GateCumsum, T: int, bk: int):
+class _Specs(NamedTuple):
+    """BlockSpecs of the grid (chunk, batch, head, block of bk columns): the [T, bk] slab of
+    g or dg, the chunk's [C, bk] block of G or dG, the head's [bk] of a or bias, the
+    program's [bk] of a partial sum [NT, B, HV, K], the layout's table [NT, B]."""
+    token: pl.BlockSpec
+    chunk: pl.BlockSpec
+    per_column: pl.BlockSpec
+    partial: pl.BlockSpec
+    chunk_rows: pl.BlockSpec
+
+
+def _specs(cfg: GateCumsum, T: int, bk: int) -> _Specs:
     C = cfg.chunk_size
-    return dict(
+    return _Specs(
         token=slab_spec(T, bk, lambda t, b, h, j: (b, h, j)),
         chunk=pl.BlockSpec((None, None, None, C, bk), lambda t, b, h, j: (t, b, h, 0, j)),
         per_column=pl.BlockSpec((None, bk), lambda t, b, h, j: (h, j)),
         partial=pl.BlockSpec((None, None, None, bk), lambda t, b, h, j: (t, b, h, j)),
-        rows=pl.BlockSpec((1, 1), lambda t, b, h, j: (t, b)),
+        chunk_rows=pl.BlockSpec((1, 1), lambda t, b, h, j: (t, b)),
     )
 
 
-def _operands(g, a, bias, layout: ChunkLayout, sp) -> Operands:
+def _operands(g, a, bias, layout: ChunkLayout, sp: _Specs) -> Operands:
     """The inputs but dG: g (None: not read), the layout's table where it has one, a and
     bias (None: not given)."""
     ins = Operands()
     if g is not None:
-        ins.add("g", sp["token"], g)
-    if layout.token_start is not None:
-        ins.add("token_start", sp["rows"], layout.token_start)
-        ins.add("token_count", sp["rows"], layout.token_count)
-    if a is not None:
-        ins.add("a", sp["per_column"], a)
-    if bias is not None:
-        ins.add("bias", sp["per_column"], bias)
+        ins.add("g", sp.token, g)
+    add_chunk_rows(ins, sp, layout)
+    for name, x in (("a", a), ("bias", bias)):
+        if x is not None:
+            ins.add(name, sp.per_column, x)
     return ins
 
 
@@ -156,7 +165,7 @@ def _forward(cfg: GateCumsum, g, A_log, dt_bias, layout: ChunkLayout):
     a, bias = _per_column(A_log, dt_bias, HV, K)
     ins = _operands(g, a, bias, layout, sp)
     shape = (cfg.n_chunks, B, HV, cfg.chunk_size, K)
-    outs = lambda out, struct: out.add("G", sp["chunk"], struct(shape, jnp.float32))
+    outs = lambda out, struct: out.add("G", sp.chunk, struct(shape, jnp.float32))
     res, _ = call(_forward_kernel, (cfg.n_chunks, B, HV, K // bk), ins, outs,
                   name="kda_gate_cumsum", params=_LAUNCH.params(cfg.interpret), cfg=cfg)
     return res["G"]
@@ -168,15 +177,15 @@ def _backward(cfg: GateCumsum, g, A_log, dt_bias, layout: ChunkLayout, dG):
     sp = _specs(cfg, T, bk)
     a, bias = _per_column(A_log, dt_bias, HV, K)
     ins = _operands(g if cfg.activate else None, a, bias, layout, sp)
-    ins.add("dG", sp["chunk"], dG)
+    ins.add("dG", sp.chunk, dG)
     partial_shape = (cfg.n_chunks, B, HV, K)
 
     def outs(out, struct):
-        out.add("dg", sp["token"], struct(g.shape, g.dtype))
+        out.add("dg", sp.token, struct(g.shape, g.dtype))
         if cfg.activate:
             if A_log is not None:
-                out.add("d_log_a", sp["partial"], struct(partial_shape, jnp.float32))
-            out.add("d_bias", sp["partial"], struct(partial_shape, jnp.float32))
+                out.add("d_log_a", sp.partial, struct(partial_shape, jnp.float32))
+            out.add("d_bias", sp.partial, struct(partial_shape, jnp.float32))
 
     res, _ = call(_backward_kernel, (cfg.n_chunks, B, HV, K // bk), ins, outs,
                   name="kda_gate_cumsum_bwd", params=_LAUNCH.params(cfg.interpret), cfg=cfg)

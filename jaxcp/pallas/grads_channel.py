@@ -8,9 +8,10 @@ the token tensors read in place at the layout's rows (``pallas.tokens``): q, k
 [B, T, HV, K], v, do [B, T, HV, V], beta [B, T, HV]; in the chunk layout: G [NT, B, HV,
 C, K]; the terms w [.., C, K], u [.., C, V] and T = (I + A)^-1 [.., C, C]; from the
 recurrences h (state entering each chunk) and X = dL/dS_out [NT, B, HV, K, V], v_new and
-dvn = dL/dv_new [.., C, V]. With G = cumsum(g) per channel, E_ijd = exp(G_id - G_jd), Xk = beta exp(G) k (w = T Xk,
-u = T (beta v)) and the gated row and column sums of ``pallas.channel``
-(rows(M, y)_id = sum_{j<i} M_ij y_jd E_ijd, cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
+dvn = dL/dv_new [.., C, V]. With G = cumsum(g) per channel, E_ijd = exp(G_id - G_jd),
+Xk = beta exp(G) k (w = T Xk, u = T (beta v)) and the gated row and column sums of
+``pallas.channel`` (rows(M, y)_id = sum_{j<i} M_ij y_jd E_ijd,
+cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
 
     1. (``_inter_kernel``) Mq = scale lower(do v_new^T) (diagonal included, stored);
        per block of key columns:

@@ -33,7 +33,6 @@ registers).
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.common import (Dots, Operands, ScalarGates, add_chunk_rows, call,

@@ -239,12 +239,14 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
     return res["a"], res["attn"]
 
 
-def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None, with_inverse: bool = False,
-             q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
-             blocks: ChunkBlocks | None = None, tile_dtype=jnp.float32) -> ChunkTerms:
+def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
+             with_inverse: bool = False, q_rows=None, k_rows=None, interpret: bool = False,
+             precise: bool = True, blocks: ChunkBlocks | None = None,
+             tile_dtype=jnp.float32) -> ChunkTerms:
     """The terms but attn: T = (I + a)^-1 from ``gated_sums``'s a, or the inverse inv given
     (exactly one of the two), then w, u, qg, kd, decay (module docstring); with_inverse also
-    returns T (a only). attn is left None. q_rows, k_rows as in ``gated_sums``."""
+    returns T (a only). attn is left None. Shapes and layout as in ``intra_chunk``; q_rows,
+    k_rows as in ``gated_sums``."""
     if (a is None) == (inv is None):
         raise ValueError("wy_terms: give exactly one of a and inv")
     B, T, HV, K = k.shape
@@ -291,12 +293,12 @@ def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = 
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k [B, T, HV, K], v [B, T, HV, V], beta [B, T, HV]
     token-major, read in place at the rows of the ChunkLayout layout; G [NT, B, HV, C, K]
-    the chunk cumsum of the decays g <= 0 (``gate_cumsum.chunk_gate``), C a multiple of 16. gate_bound: None (any g <= 0), or a
-    bound in [-5, 0) that every gate is known to respect (g in [gate_bound, 0)): then every
-    diagonal block is a product (``channel.diagonal_fits``) and the pair-by-pair kernel is
-    not launched. precise: 3xTF32 products (fp32
-    inputs), else single TF32 products of the fp32 factor tiles (bf16 inputs; see
-    ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
+    the chunk cumsum of the decays g <= 0 (``gate_cumsum.chunk_gate``), C a multiple of 16.
+    gate_bound: None (any g <= 0), or a bound in [-5, 0) that every gate is known to
+    respect (g in [gate_bound, 0)): then every diagonal block is a product
+    (``channel.diagonal_fits``) and the pair-by-pair kernel is not launched. precise:
+    3xTF32 products (fp32 inputs), else single TF32 products of the fp32 factor tiles
+    (bf16 inputs; see ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
     L2-normalised rows (the kernels scale the rows as they read them; ``l2_row_scales``
     by XLA). The terms are float32, as the jnp twin's, but w, qg, kd and attn, which are
     tile_dtype: float16 halves the bytes of the state recurrences' tiles and keeps the

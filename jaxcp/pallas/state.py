@@ -4,8 +4,8 @@ Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis
 batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
 [NT, B, HV, Kg] with Kg = ``gate.width(K)``; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
 with token_major, ``state_output``'s o, ``state_bwd``'s do and the bare q, k of row-factored
-terms (GDN's; KDA's terms are plain) are token-major, [B, T, HV, ...], chunk c at the rows ``layout.token_start[c]`` on
-(c C without a table; ``jaxcp.pallas.tokens``).
+terms (GDN's; KDA's terms are plain) are token-major, [B, T, HV, ...], chunk c at the rows
+``layout.token_start[c]`` on (c C without a table; ``jaxcp.pallas.tokens``).
 
 One program per (batch, value head, block of BV state columns, ``StateBlocks``) runs a fori_loop over the
 chunks with its [K, BV] slice of the state in fp32 registers:
