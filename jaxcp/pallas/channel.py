@@ -185,10 +185,8 @@ class SubChunkSpecs(NamedTuple):
     chunk-layout [NT, B, HV, C, d], `square_flat` a [C, C] matrix per chunk as
     [NT, B, HV, C * C], `rows(d)` the program's sub-chunk, S rows of a chunk-layout array;
     `token(d)` the [T, d] slab of a token tensor [B, T, HV, d] (d None: [B, T, HV]) and
-    `chunk_rows` the layout's token_start, token_count [NT, B] (``common.ChunkSpecs``).
-    chunk_axis: the grid axis of the chunk."""
+    `chunk_rows` the layout's token_start, token_count [NT, B] (``common.ChunkSpecs``)."""
     grid: tuple
-    chunk_axis: int
     chunk: Callable
     square_flat: pl.BlockSpec
     rows: Callable
@@ -225,7 +223,6 @@ def sub_chunk_specs(NT: int, B: int, HV: int, C: int, T: int,
 
     return SubChunkSpecs(
         grid=grid,
-        chunk_axis=chunk_axis(sub_chunks_first),
         chunk=lambda d: pl.BlockSpec((None, None, None, C, d),
                                      at(lambda t, b, h, s: (t, b, h, 0, 0))),
         square_flat=pl.BlockSpec((None, None, None, C * C),
