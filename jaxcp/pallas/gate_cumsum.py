@@ -12,17 +12,16 @@ g [B, T, HV, K] is read where the caller has it (chunk c at the layout's rows,
 the chunk layout [NT, B, HV, C, K] float32: the KDA kernels read G at rows they cannot
 slice out of a register tile (``pallas.channel``), and padding rows hold the chunk's last
 G, as a cumsum of zeros does. One program per (chunk, batch, head, block of columns). The
-forward scans its [C, bk] tile with ``jnp.cumsum`` (the scan ``channel.ChannelBlock`` runs
-on its tiles inside the other KDA kernels). The backward's reverse cumsum is a product with
+forward scans its [C, bk] tile with ``jnp.cumsum``. The backward's reverse cumsum is a product with
 the upper triangle of ones (Triton has no reverse scan): dy_s sums only the rows at and
 after s, each to the product's precision (3xTF32: 2^-22 relative per term; IEEE in
 interpret mode), never a difference of two prefix sums, whose rounding would be that of
 the whole chunk's sum. The activation's parameter cotangents leave the kernel as partial
 sums per (chunk, batch, head, column) and XLA adds them up.
 
-The gate's cumsum has the same float32 rounding as the jnp stages: a chunk that mixes gates
-of -1e3 with gates near 0 keeps about 2.7e-4 of the small ones' relative accuracy in G
-(docs/precision.md).
+The gate's cumsum has the same float32 rounding as the jnp stages: in a chunk that mixes
+gates of -1e3 with gates near 0, the differences of G lose digits (docs/precision.md,
+"float32 with very negative gates").
 """
 from __future__ import annotations
 

@@ -273,8 +273,7 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
     bf16 parts each (``common.dot``); span ([B], ``_span_loop``): loop over those chunks
     only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
     state (``common.Fp32Products``); tile_dtype, tokens, out_dtype: as in
-    ``state_output``. Returns
-    the outputs by name: h, v_new (store_h), o, finals, last."""
+    ``state_output``. Returns the outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
     c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype, tokens)

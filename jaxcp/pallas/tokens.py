@@ -146,8 +146,9 @@ class ChunkRef:
         self.shape = (rows.size,) + tuple(ref.shape[1:])
         self.dtype = ref.dtype
 
-    def _at(self, index):
-        """(the ref view, the loaded shape, the mask or None) of an index."""
+    def _rows_cols(self, index) -> tuple[ChunkRows, tuple | None]:
+        """The indexed rows as ``ChunkRows`` and the columns as (first, n), or None for
+        all (or for a [T] slab)."""
         if index is Ellipsis:
             index = ()
         index = index if isinstance(index, tuple) else (index,)
@@ -155,34 +156,19 @@ class ChunkRef:
         if isinstance(row, slice):
             if row != slice(None):
                 raise ValueError("ChunkRef: rows must be all (:) or a pl.ds")
-            first, n = 0, self.rows.size
+            rows = self.rows
         else:
-            first, n = row.start, row.size
-        at = (pl.ds(self.rows.start + first, n),)
-        shape = (n,)
-        if len(self.ref.shape) == 2:
-            col = index[1] if len(index) > 1 else slice(None)
-            if isinstance(col, slice):
-                col = pl.ds(0, self.ref.shape[1])
-            at, shape = at + (col,), (n, col.size)
-        mask = None
-        if self.rows.count is not None:
-            mask = first + lax.broadcasted_iota(jnp.int32, shape, 0) < self.rows.count
-        return self.ref.at[at], shape, mask
+            rows = self.rows.sub(row.start, row.size)
+        col = index[1] if len(index) > 1 else slice(None)
+        return rows, None if isinstance(col, slice) else (col.start, col.size)
 
     def __getitem__(self, index):
-        view, _, mask = self._at(index)
-        if mask is None:
-            return view[...]
-        return pltriton.load(view, mask=mask, other=0)
+        rows, cols = self._rows_cols(index)
+        return rows.load(self.ref, cols)
 
     def __setitem__(self, index, value):
-        view, _, mask = self._at(index)
-        value = value.astype(self.ref.dtype)
-        if mask is None:
-            view[...] = value
-        else:
-            pltriton.store(view, value, mask=mask)
+        rows, cols = self._rows_cols(index)
+        rows.store(self.ref, value, cols)
 
 
 def chunk_refs(refs, rows: ChunkRows, names: tuple[str, ...]):
