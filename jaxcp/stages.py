@@ -166,7 +166,6 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     (``intra_channel``), and its input cotangents read T (``grads_channel``)."""
     from jaxcp.pallas import grads_channel, intra_channel
     from jaxcp.pallas.common import Fp32Products
-    from jaxcp.pallas.config import StateBlocks
     precise = o.dot_dtype == "float32"
     products = Fp32Products.for_inputs(o.dot_dtype)
     # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
@@ -198,9 +197,9 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
     # (docs/precision.md).
     # o leaves in the inputs' dot dtype (bf16 for bf16 inputs), as the op returns it
+    # (launch configurations per kernel: ``StateBlocks.channel``)
     state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products,
-                                 out_dtype=jnp.dtype(o.dot_dtype), blocks=StateBlocks.channel(),
-                                 tile_dtype=tile_dtype)
+                                 out_dtype=jnp.dtype(o.dot_dtype), tile_dtype=tile_dtype)
     return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
                   chunk_grads=chunk_grads, **state)
 

@@ -357,14 +357,12 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
 
     all_three = ("state_output", "state_fwd", "state_bwd")
     for how, p in other_products:
-        state_variants(how, terms, ("state_output", "state_bwd"), products=p,
-                       blocks=StateBlocks.channel())
+        state_variants(how, terms, ("state_output", "state_bwd"), products=p)
     # float32 tiles of w, kd, qg, attn (cast before the timed calls)
     full = terms._replace(**{name: getattr(terms, name).astype(jnp.float32)
                              for name in ("w", "kd", "qg", "attn")})
-    state_variants("with float32 tiles", full, all_three, blocks=StateBlocks.channel(),
-                   tile_dtype=jnp.float32)
-    for bv, warps in ((64, 4), (64, 8), (32, 8)):
+    state_variants("with float32 tiles", full, all_three, tile_dtype=jnp.float32)
+    for bv, warps in ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4), (16, 2)):
         state_variants(f"BV={bv}, {warps} warps", terms, all_three,
                        blocks=StateBlocks(block_cols=bv, num_warps=warps))
 

@@ -635,13 +635,25 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
                                              ("float32", Fp32Products.TF32X3)])
 def test_kda_stages_pick_precise_products(dtype, products):
     """KDA's Pallas state recurrences take float32 terms at TF32 for bf16 inputs and 3xTF32
-    for fp32 ones, 32 state columns per program."""
+    for fp32 ones, each kernel at its launch configuration (``StateBlocks.channel``)."""
     st = stages_for("pallas", Gate.CHANNEL, dtype)
     for stage in (st.state_output, st.state_fwd, st.state_bwd, st.cp_summary):
         assert stage.keywords["products"] is products
-        assert stage.keywords["blocks"] == StateBlocks.channel()
+        assert "blocks" not in stage.keywords
         assert stage.keywords["dot_dtype"] == jnp.float32
     assert Fp32Products.for_inputs(dtype) is products
+
+
+def test_kda_state_blocks_keep_the_grid_full():
+    """state_bwd takes 64 state columns (8 warps) only where that still launches FULL_GRID
+    programs; state_fwd takes 16 at K = 256; the others 32."""
+    wide = StateBlocks(block_cols=64, num_warps=8)
+    assert StateBlocks.channel("state_bwd", 128, 128, 64) == wide
+    assert StateBlocks.channel("state_bwd", 128, 128, 8) == StateBlocks(block_cols=32)
+    assert StateBlocks.channel("state_bwd", 256, 256, 64) == StateBlocks(block_cols=32)
+    assert StateBlocks.channel("state_fwd", 256, 256, 16) == StateBlocks(block_cols=16)
+    assert StateBlocks.channel("state_fwd", 128, 128, 64) == StateBlocks(block_cols=32)
+    assert StateBlocks.channel("state_output", 128, 128, 64) == StateBlocks(block_cols=32)
 
 
 def test_bf16x3_products_keep_16_bits():

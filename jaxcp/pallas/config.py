@@ -29,6 +29,10 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
                                                        num_stages=num_stages)}
 
 
+# programs that fill a GPU of 132 SMs (H100, H200) about once
+FULL_GRID = 128
+
+
 @dataclass(frozen=True)
 class StateBlocks:
     """block_cols: state columns per program (BV); num_warps; max_stages: the most pipeline
@@ -45,11 +49,31 @@ class StateBlocks:
         return cls(block_cols=32 if K >= 256 else 64)
 
     @classmethod
-    def channel(cls) -> "StateBlocks":
-        """KDA's state recurrences (float32 terms): 32 state columns per program.
-        Measured on the H100 at T = 32768, H = 64, K = 128 against 64 columns, with
-        ``Fp32Products.BF16X3``: state_bwd 11.3 -> 8.1 ms, state_fwd 4.7 -> 4.3, state_output
-        6.8 -> 6.7 (64 columns with 8 warps: 8.5, 4.4, 7.4)."""
+    def channel(cls, kernel: str, K: int, V: int, heads: int) -> "StateBlocks":
+        """KDA's state recurrences (float32 state, TF32 products for bf16 inputs, float16
+        w, qg, kd, attn): per kernel (``state.py``'s kernel names), K, V and heads (B HV,
+        the programs per block of state columns). 32 state columns per program, but:
+
+        - state_bwd at K <= 128 where 64 columns still give FULL_GRID programs: 64 columns
+          with 8 warps. H200, T = 32768, H = 64, K = 128 (128 programs), one device call:
+          4.21 ms against 5.12 with 32 columns (16 to 64 columns, 2 to 8 warps, another
+          call: 4.47 to 10.3). With 8 heads (16 programs; the training model of
+          docs/benchmarks/train.md) the step took 192.2 ms with state_bwd and state_fwd at
+          64 columns against 176.8 with 32 (32 programs), in two device calls.
+        - state_fwd at K = 256: 16 columns. H200, T = 32768, H = 16 (256 programs against
+          128): 3.60 ms against 5.30, one device call.
+
+        state_output stays at 32 (K = 128: 4.19 ms against 4.44 to 8.09 with 16 or 64
+        columns or 8 warps; K = 256: 6.03 against 6.89 to 9.4), state_fwd at K <= 128 too
+        (64 columns: 2.65 against 2.65, and 2.63 against 3.07 in another call), and so do
+        the CP kernels (state_last, cp_transition, state_entry_cotangent), not measured
+        apart. Earlier, on
+        the H100 with 3xBF16 products, 32 columns against 64: state_bwd 11.3 -> 8.1 ms,
+        state_fwd 4.7 -> 4.3, state_output 6.8 -> 6.7."""
+        if kernel == "state_bwd" and K <= 128 and heads * (V // 64) >= FULL_GRID:
+            return cls(block_cols=64, num_warps=8)
+        if kernel == "state_fwd" and K > 128:
+            return cls(block_cols=16)
         return cls(block_cols=32)
 
     def cols(self, n: int) -> int:

@@ -183,17 +183,20 @@ class _Call(NamedTuple):
 
 
 def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_major: bool,
-           dot_dtype, blocks: StateBlocks | None, tile_dtype,
+           dot_dtype, blocks: StateBlocks | None, tile_dtype, kernel: str,
            tokens: int | None = None) -> _Call:
-    """The _Call of a kernel over `cols` state columns (token_major: o or do, and the bare
-    q, k of row-factored terms, are [B, T, HV, ...]; T is the bare q's length, or tokens
-    for plain terms)."""
+    """The _Call of kernel `kernel` over `cols` state columns (token_major: o or do, and
+    the bare q, k of row-factored terms, are [B, T, HV, ...]; T is the bare q's length, or
+    tokens for plain terms). blocks None: ``StateBlocks.channel`` of the kernel for the
+    per-channel gate, ``StateBlocks.default`` for the scalar one."""
     NT, B, HV, C, K = terms.w.shape
     if terms.decay.shape[-1] != gate.width(K):
         raise ValueError(f"terms: decay [..., {terms.decay.shape[-1]}] does not match the "
                          f"{gate.value} gate (width {gate.width(K)})")
     factored = terms.k_rows is not None
-    blocks = blocks or StateBlocks.default(K, dot_dtype)
+    if blocks is None:
+        blocks = (StateBlocks.channel(kernel, K, cols, B * HV) if gate is Gate.CHANNEL
+                  else StateBlocks.default(K, dot_dtype))
     BV = blocks.cols(cols)
     T = None
     if token_major:
@@ -276,7 +279,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
     ``state_output``. Returns the outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
-    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype, tokens)
+    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype, name,
+               tokens)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
     if with_output and token_major and c.T is None:
@@ -443,7 +447,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
     ``state_output``."""
     V = do.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
-    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks, tile_dtype,
+    name = "state_entry_cotangent" if entry_only else "state_bwd"
+    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks, tile_dtype, name,
                tokens=do.shape[1] if token_major else None)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
@@ -474,7 +479,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
     tile_bytes = C * ((3 * K + C) * jnp.dtype(tile_dtype).itemsize
                       + c.BV * jnp.dtype(dot_dtype).itemsize)
     out = call(_bwd_kernel, (B, HV, V // c.BV), ins, outs,
-               name="state_entry_cotangent" if entry_only else "state_bwd",
+               name=name,
                params=c.blocks.params(interpret, tile_bytes),
                aliases={"d_init_zeros": "d_init"} if with_d_init else None, nt=NT, gate=gate,
                token_major=token_major, interpret=interpret, products=products,
