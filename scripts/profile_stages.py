@@ -299,8 +299,8 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (32, 4, 1), (32, 2, 1), (128, 8, 1),
                                                (64, 4, 2))] + [other_launch_order(shipped)]:
         variant(f"gated sums diagonal {how}", sums(diagonal_blocks=b), q, k, G, beta)
-    for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (64, 8, 2), (64, 4, 1), (32, 4, 2),
-                                               (32, 8, 1))]:
+    for how, b in [chunk_blocks(*c) for c in ((64, 4, 3), (64, 8, 1), (64, 8, 2), (64, 4, 1),
+                                               (32, 4, 2), (32, 8, 1))]:
         variant(f"intra, wy_terms {how}", lambda *a, b=b: intra_channel.intra_chunk(
             *a, scale, layout, precise=False, blocks=b, tile_dtype=terms.w.dtype,
             interpret=interpret), *xs)

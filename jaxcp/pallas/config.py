@@ -11,7 +11,9 @@ Two families of kernels, two configurations:
   columns so that no [C, K] or [C, V] tile stays live across the kernel.
 
 ``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
-``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``). The
+``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``; its
+inverse and tiles: ``ChunkBlocks.wy_terms``; its state recurrences:
+``StateBlocks.channel``). The
 numbers were measured on the H100 and the H200 (docs/benchmarks/kernels.md), where they are
 the same; ``device`` (``jax.Device.device_kind``) is where a per-device choice goes.
 """
@@ -113,6 +115,19 @@ class ChunkBlocks:
         (H100, same shape): 45.1 -> 42.6 ms with 3xTF32 products, 40.2 -> 37.6 with
         3xBF16 ones."""
         return cls(num_stages=2, sub_chunks_first=True)
+
+    @classmethod
+    def wy_terms(cls, K: int) -> "ChunkBlocks":
+        """KDA's inverse and state tiles (``kda_wy_terms``): ``default``, but 8 warps and
+        two pipeline stages at K = 256. Measured on the H200 at T = 32768, H = 16, K = 256
+        (the intra-chunk terms, gated sums included), two device calls: 4.32 and 4.08 ms
+        against 5.12 and 4.82 with 4 warps and 3 stages; 3.93 to 5.13 with 32 columns or
+        1 stage. At K = 128, H = 64, 8
+        warps were slower (the kernel alone: 6.28 to 6.50 ms against 4.02, with one stage
+        or float16 products)."""
+        if K >= 256:
+            return cls(num_warps=8, num_stages=2)
+        return cls.default(K)
 
     @classmethod
     def across_sub_chunks(cls) -> "ChunkBlocks":

@@ -253,7 +253,7 @@ def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
     NT, C = G.shape[0], G.shape[3]
     V = v.shape[-1]
     check_chunk(C)
-    blocks = blocks or ChunkBlocks.default(K, q.dtype)
+    blocks = blocks or ChunkBlocks.wy_terms(K)
     sp = chunk_specs(C, T)
     ins = Operands()
     for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V)):
@@ -304,7 +304,7 @@ def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = 
     tile_dtype: float16 halves the bytes of the state recurrences' tiles and keeps the
     10-bit mantissa their TF32 products keep, for terms that fit its range (every entry of
     qg, kd, attn is at most 1 in magnitude for L2-normalised q, k). blocks: the launch
-    configuration of ``wy_terms`` (``ChunkBlocks.default`` if None); ``gated_sums`` runs
+    configuration of ``wy_terms`` (``ChunkBlocks.wy_terms`` if None); ``gated_sums`` runs
     with its own."""
     kw = dict(interpret=interpret, precise=precise, tile_dtype=tile_dtype,
               **unit_row_scales(q, k, normalize_qk))
