@@ -13,9 +13,9 @@ Two families of kernels, two configurations:
 ``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
 ``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``; its
 inverse and tiles: ``ChunkBlocks.wy_terms``; its state recurrences:
-``StateBlocks.channel``). The
-numbers were measured on the H100 and the H200 (docs/benchmarks/kernels.md), where they are
-the same; ``device`` (``jax.Device.device_kind``) is where a per-device choice goes.
+``StateBlocks.channel``). The numbers were measured on the H100 and the H200
+(docs/benchmarks/kernels.md), where they are the same; ``device``
+(``jax.Device.device_kind``) is where a per-device choice goes.
 """
 from __future__ import annotations
 
@@ -69,9 +69,8 @@ class StateBlocks:
         columns or 8 warps; K = 256: 6.03 against 6.89 to 9.4), state_fwd at K <= 128 too
         (64 columns: 2.65 against 2.65, and 2.63 against 3.07 in another call), and so do
         the CP kernels (state_last, cp_transition, state_entry_cotangent), not measured
-        apart. Earlier, on
-        the H100 with 3xBF16 products, 32 columns against 64: state_bwd 11.3 -> 8.1 ms,
-        state_fwd 4.7 -> 4.3, state_output 6.8 -> 6.7."""
+        apart. Earlier, on the H100 with 3xBF16 products, 32 columns against 64: state_bwd
+        11.3 -> 8.1 ms, state_fwd 4.7 -> 4.3, state_output 6.8 -> 6.7."""
         if kernel == "state_bwd" and K <= 128 and heads * (V // 64) >= FULL_GRID:
             return cls(block_cols=64, num_warps=8)
         if kernel == "state_fwd" and K > 128:
@@ -122,9 +121,8 @@ class ChunkBlocks:
         two pipeline stages at K = 256. Measured on the H200 at T = 32768, H = 16, K = 256
         (the intra-chunk terms, gated sums included), two device calls: 4.32 and 4.08 ms
         against 5.12 and 4.82 with 4 warps and 3 stages; 3.93 to 5.13 with 32 columns or
-        1 stage. At K = 128, H = 64, 8
-        warps were slower (the kernel alone: 6.28 to 6.50 ms against 4.02, with one stage
-        or float16 products)."""
+        1 stage. At K = 128, H = 64, 8 warps were slower (the kernel alone: 6.28 to 6.50 ms
+        against 4.02, with one stage or float16 products)."""
         if K >= 256:
             return cls(num_warps=8, num_stages=2)
         return cls.default(K)
