@@ -13,9 +13,10 @@ Two families of kernels, two configurations:
 ``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
 ``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``; its
 inverse and tiles: ``ChunkBlocks.wy_terms``; its state recurrences:
-``StateBlocks.channel``). The numbers were measured on the H100 and the H200
-(docs/benchmarks/kernels.md), where they are the same; ``device``
-(``jax.Device.device_kind``) is where a per-device choice goes.
+``StateBlocks.channel``). GDN's numbers were measured on the H100 and the H200
+(docs/benchmarks/kernels.md), where they are the same; KDA's latest on the H200
+(kernels_kda.md); ``device`` (``jax.Device.device_kind``) is where a per-device choice
+goes.
 """
 from __future__ import annotations
 

@@ -298,9 +298,9 @@ def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = 
     respect (g in [gate_bound, 0)): then every diagonal block is a product
     (``channel.diagonal_fits``) and the pair-by-pair kernel is not launched. precise:
     3xTF32 products (fp32 inputs), else single TF32 products of the fp32 factor tiles
-    (bf16 inputs; see ``common.dots``). normalize_qk: q, k are raw, and the terms are those of their
-    L2-normalised rows (the kernels scale the rows as they read them; ``l2_row_scales``
-    by XLA). The terms are float32, as the jnp twin's, but w, qg, kd and attn, which are
+    (bf16 inputs; see ``common.dots``). normalize_qk: q, k are raw, and the terms are
+    those of their L2-normalised rows (the kernels scale the rows as they read them;
+    ``l2_row_scales`` by XLA). The terms are float32, as the jnp twin's, but w, qg, kd and attn, which are
     tile_dtype: float16 halves the bytes of the state recurrences' tiles and keeps the
     10-bit mantissa their TF32 products keep, for terms that fit its range (every entry of
     qg, kd, attn is at most 1 in magnitude for L2-normalised q, k). blocks: the launch

@@ -330,10 +330,10 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, toke
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
-    Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in out_dtype, or if
-    None the dtype of u;
-    finals [N, HV, K, V] or None). tile_dtype: the dtype the kernel reads w, kd, qg and attn
-    in (dot_dtype if None; u, the states and v_new stay in dot_dtype). float16 with float32
+    Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in out_dtype (the
+    dtype of u if None); finals [N, HV, K, V] or None). tile_dtype: the dtype the kernel
+    reads w, kd, qg and attn in (dot_dtype if None; u, the states and v_new stay in
+    dot_dtype). float16 with float32
     dot_dtype and TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at
     half the bytes, for terms whose magnitudes fit float16 (``common.dot``). tokens: T,
     the length of a token-major o from plain terms (KDA's; row-factored terms carry it)."""
@@ -442,9 +442,8 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
     X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
     layout or, with token_major, [B, T, HV, V], in any float dtype (the kernel reads it in
     dot_dtype: a bf16 do for float32 products is read as is, and widened in registers).
-    unused (bool scalar, with entry_only: the
-    first device's d_entry): no chunk is run and d_entry is zero. tile_dtype as in
-    ``state_output``."""
+    unused (bool scalar, with entry_only: the first device's d_entry): no chunk is run and
+    d_entry is zero. tile_dtype as in ``state_output``."""
     V = do.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
     name = "state_entry_cotangent" if entry_only else "state_bwd"
