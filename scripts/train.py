@@ -36,7 +36,8 @@ import time
 
 from jaxcp.cli import OneLineParser
 
-ENV_RECORDED = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")
+ENV_RECORDED = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -72,11 +73,17 @@ def parse_args(argv=None):
                     help="GDN/KDA backend (default: the library's)")
     ap.add_argument("--remat", default="none", choices=["none", "block", "mixer"],
                     help="recompute in the backward: each block or each mixer (jax.checkpoint)")
+    ap.add_argument("--mlp-block", type=int, default=32768,
+                    help="tokens per MLP block: the MLPs run block by block, each recomputed in "
+                         "the backward (0: all tokens at once)")
     ap.add_argument("--attn-block", type=int, default=1024,
                     help="attention query/key block size (tokens)")
     ap.add_argument("--data", default=None, help="train a byte-level LM on this text file")
     ap.add_argument("--run-dir", default="runs/train")
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --run-dir from its last checkpoint")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="clear an earlier run's checkpoints and metrics from --run-dir first")
     ap.add_argument("--eval-every", type=int, default=50, help="0: no eval")
     ap.add_argument("--ckpt-every", type=int, default=100, help="0: no checkpoints")
     ap.add_argument("--seed", type=int, default=0)
@@ -93,11 +100,12 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if not (math.isfinite(args.lr) and args.lr > 0):
         ap.error("--lr must be a positive number")
-    for name in ("eval_every", "ckpt_every", "warmup"):
+    for name in ("eval_every", "ckpt_every", "warmup", "mlp_block"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     data, seq = args.mesh
     _check_cluster_flags(ap, args, data * seq)
+    _check_run_dir(ap, args)
     if args.batch % data:
         ap.error(f"--batch {args.batch} must be divisible by the data axis {data}")
     if args.seq_len % seq:
@@ -111,6 +119,37 @@ def parse_args(argv=None):
     elif not 1 <= args.pairs <= args.seq_len // 4:
         ap.error(f"--pairs must be in [1, seq_len / 4 = {args.seq_len // 4}]")
     return args, ap
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of the checkpoints in run_dir/checkpoints (orbax names each by its step)."""
+    path = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def _check_run_dir(ap, args) -> None:
+    """A run dir holding another run is continued (--resume) or cleared (--overwrite), never
+    mixed with a new run; --resume needs a checkpoint. Runs before anything is written."""
+    run_dir = os.path.abspath(args.run_dir)
+    steps = checkpoint_steps(run_dir)
+    if args.resume and args.overwrite:
+        ap.error("--resume and --overwrite exclude each other")
+    if args.resume and not steps:
+        ap.error(f"--resume: no checkpoint in {run_dir}/checkpoints")
+    earlier = [f for f in ("metrics.jsonl", "summary.json") if os.path.exists(
+        os.path.join(run_dir, f))]
+    if not args.resume and (steps or earlier) and not args.overwrite:
+        what = f"checkpoints up to step {steps[-1]}" if steps else " and ".join(earlier)
+        ap.error(f"--run-dir {run_dir} holds another run ({what}): --resume continues it, "
+                 "--overwrite clears it")
+
+
+def _clear_run_dir(run_dir: str) -> None:
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+    for name in ("metrics.jsonl", "summary.json", "curves.png"):
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
 
 
 def _check_cluster_flags(ap, args, n_devices: int) -> None:
@@ -169,6 +208,9 @@ def main(argv=None) -> int:
         ap.error(f"jax.distributed did not start: {type(e).__name__}: {str(e).splitlines()[0]}")
     try:
         return _train(args, ap, argv, env, cluster)
+    except KeyboardInterrupt:       # before the first step (the loop saves its own)
+        print("interrupted before the first step", file=sys.stderr)
+        return 130
     finally:
         cl.stop(cluster)
 
@@ -187,8 +229,10 @@ def _train(args, ap, argv, env, cluster) -> int:
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
                              replicate, shard_batch)
     from jaxcp.train.cluster import local_value
+    from jaxcp.train.flops import peak_flops, token_flops
 
     main_process = jax.process_index() == 0
+    say = lambda line: main_process and print(line, file=sys.stderr, flush=True)
 
     if len(jax.devices()) < data * seq:
         ap.error(f"--mesh needs {data * seq} devices, {len(jax.devices())} present")
@@ -201,15 +245,23 @@ def _train(args, ap, argv, env, cluster) -> int:
         model = LM(args.vocab, args.hidden, args.layers, args.heads, args.head_dim,
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
                    attn_block_size=args.attn_block, remat=args.remat,
+                   mlp_block_tokens=args.mlp_block or None,
                    rngs=nnx.Rngs(args.seed))
     except ValueError as e:
         ap.error(str(e))
+    flops = token_flops(model, args.seq_len)
     graph, params = nnx.split(model)
     tx = make_optimizer(args.lr, args.warmup, args.steps)
     dtype = jnp.dtype(args.dtype)
     check_vma = args.backend != "interpret"
     step_fn = make_train_step(graph, mesh, tx, dtype, check_vma=check_vma)
     eval_fn = jax.jit(make_loss(graph, mesh, dtype, check_vma=check_vma))
+    batch_shape = Batch(*(jax.ShapeDtypeStruct((args.batch, args.seq_len), d)
+                          for d in (jnp.int32, jnp.int32, jnp.float32)))
+    try:        # the ops' argument checks (head sizes, say), before anything is written
+        jax.eval_shape(make_loss(graph, mesh, dtype, check_vma=check_vma), params, batch_shape)
+    except (ValueError, TypeError) as e:
+        ap.error(f"the model does not take these flags: {str(e).splitlines()[0]}")
     params = replicate(params, mesh)
     opt_state = replicate(tx.init(params), mesh)
 
@@ -229,87 +281,107 @@ def _train(args, ap, argv, env, cluster) -> int:
                               spread=args.spread_pairs)
 
     run_dir = os.path.abspath(args.run_dir)
+    if main_process and args.overwrite:
+        _clear_run_dir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     devices = mesh.devices.flatten().tolist()
     local_devices = [d for d in devices if d.process_index == jax.process_index()]
+    peak = peak_flops(devices[0])
     config = dict(command=shlex.join(["python", "scripts/train.py", *argv]), argv=argv, env=env,
                   args={k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
                   backend=resolve_backend(args.backend), n_devices=len(devices),
-                  platform=devices[0].platform, device_kind=devices[0].device_kind, jax_version=jax.__version__)
-    config.update(process_count=jax.process_count())
+                  platform=devices[0].platform, device_kind=devices[0].device_kind,
+                  jax_version=jax.__version__, process_count=jax.process_count(),
+                  flops_per_token=round(flops.step), peak_flops_per_device=peak)
     summary_path = os.path.join(run_dir, "summary.json")
     if main_process:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
         if os.path.exists(summary_path):
             os.remove(summary_path)
-    ckpt = None
-    if args.ckpt_every > 0 or args.resume:
-        ckpt = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
-                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    ckpt = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if args.resume:
-        last = ckpt.latest_step()
-        if last is None:
-            ap.error(f"--resume: no checkpoint in {run_dir}/checkpoints")
-        state = ckpt.restore(last, args=ocp.args.StandardRestore(
-            {"params": params, "opt_state": opt_state}))
-        params = replicate(state["params"], mesh)
-        opt_state = replicate(state["opt_state"], mesh)
-        start = last
+        start = ckpt.latest_step()
         if start >= args.steps:
             ap.error(f"--resume: the checkpoint is at step {start}, --steps {args.steps} "
                      "leaves nothing to do")
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if main_process and not args.resume and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+        state = ckpt.restore(start, args=ocp.args.StandardRestore(
+            {"params": params, "opt_state": opt_state}))
+        params = replicate(state["params"], mesh)
+        opt_state = replicate(state["opt_state"], mesh)
+        say(f"resuming from step {start}")
+        if main_process:
+            _drop_records_after(metrics_path, start)
 
     base = jax.random.key(args.seed)
     eval_key = jax.random.fold_in(base, 1 << 30)
     tokens_per_step = args.batch * args.seq_len
     every = lambda n, step: (n > 0 and step % n == 0) or step == args.steps
+    rates = lambda times: _with_mfu(speed(times, tokens_per_step, len(devices)), flops, peak)
     record = dict(step=start, loss=math.nan, eval_accuracy=None)
     all_times, recent = [], []
     t_start = time.perf_counter()
-    for step in range(start + 1, args.steps + 1):
-        batch = jax.block_until_ready(place_batch(batch_at(jax.random.fold_in(base, step))))
-        t0 = time.perf_counter()
-        params, opt_state, loss, _ = jax.block_until_ready(step_fn(params, opt_state, batch))
-        loss = float(local_value(loss))
-        if not math.isfinite(loss):
-            if main_process:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(dict(step=step, loss=loss, eval_accuracy=None)) + "\n")
-            if ckpt is not None:
+    done = start
+    say(f"compiling the train step ({len(devices)} {devices[0].platform} devices, "
+        f"{tokens_per_step:,} tokens a step)...")
+    batch = place_batch(batch_at(jax.random.fold_in(base, start + 1)))
+    compiled = step_fn.lower(params, opt_state, batch).compile()
+    say(f"compiled in {time.perf_counter() - t_start:.0f} s; it needs "
+        f"{_compiled_gib(compiled)} GiB per device")
+    try:
+        for step in range(start + 1, args.steps + 1):
+            if step > start + 1:
+                batch = place_batch(batch_at(jax.random.fold_in(base, step)))
+            batch = jax.block_until_ready(batch)
+            t0 = time.perf_counter()
+            params, opt_state, loss, _ = jax.block_until_ready(compiled(params, opt_state, batch))
+            done = step
+            loss = float(local_value(loss))
+            if not math.isfinite(loss):
+                if main_process:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(dict(step=step, loss=loss, eval_accuracy=None)) + "\n")
                 ckpt.wait_until_finished()
-            print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
-            return 1
-        if step > start + 1:
-            all_times.append(time.perf_counter() - t0)
-            recent.append(all_times[-1])
-        if every(args.eval_every, step):
-            eval_acc = None
-            if args.eval_every > 0:
-                _, acc = eval_fn(params, place_batch(batch_at(eval_key)))
-                eval_acc = round(float(local_value(acc)), 4)
-            record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
-                          **speed(recent, tokens_per_step, len(devices)),
-                          peak_mem_gib=peak_memory_gib(local_devices),
-                          elapsed_s=round(time.perf_counter() - t_start, 1))
-            recent = []
-            if main_process:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                _progress(record, args.steps)
-        if args.ckpt_every > 0 and every(args.ckpt_every, step):
-            ckpt.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    if ckpt is not None:
+                print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
+                return 1
+            if step > start + 1:
+                all_times.append(time.perf_counter() - t0)
+                recent.append(all_times[-1])
+            if every(args.eval_every, step):
+                eval_acc = None
+                if args.eval_every > 0:
+                    _, acc = eval_fn(params, place_batch(batch_at(eval_key)))
+                    eval_acc = round(float(local_value(acc)), 4)
+                record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
+                              **rates(recent), peak_mem_gib=peak_memory_gib(local_devices),
+                              elapsed_s=round(time.perf_counter() - t_start, 1))
+                recent = []
+                if main_process:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    _progress(record, args.steps)
+            if args.ckpt_every > 0 and every(args.ckpt_every, step):
+                ckpt.save(step, args=ocp.args.StandardSave({"params": params,
+                                                            "opt_state": opt_state}))
+    except KeyboardInterrupt:
+        if done > start and ckpt.latest_step() != done:
+            ckpt.save(done, args=ocp.args.StandardSave({"params": params,
+                                                        "opt_state": opt_state}), force=True)
         ckpt.wait_until_finished()
+        last = ckpt.latest_step()
+        saved = (f"checkpoint at step {last} in {run_dir}/checkpoints (--resume continues)"
+                 if last is not None else "no checkpoint")
+        print(f"interrupted at step {done}: {saved}", file=sys.stderr)
+        return 130
+    ckpt.wait_until_finished()
     if not main_process:
         return 0
     _plot(metrics_path, os.path.join(run_dir, "curves.png"))
-    summary = dict(record, **speed(all_times, tokens_per_step, len(devices)),
-                   timed_steps=len(all_times), peak_mem_gib=peak_memory_gib(local_devices),
+    summary = dict(record, **rates(all_times), timed_steps=len(all_times),
+                   flops_per_token=round(flops.step), peak_mem_gib=peak_memory_gib(local_devices),
                    elapsed_s=round(time.perf_counter() - t_start, 1))
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)
@@ -317,13 +389,41 @@ def _train(args, ap, argv, env, cluster) -> int:
     return 0
 
 
+def _with_mfu(rates: dict, flops, peak: float | None) -> dict:
+    """speed()'s dict with mfu: the model FLOP/s per device over the device's bf16 peak."""
+    from jaxcp.train.flops import mfu
+    value = mfu(flops.step, rates["tokens_per_s_per_device"], peak)
+    return dict(rates, mfu=None if value is None else round(value, 4))
+
+
+def _compiled_gib(compiled) -> str:
+    """The compiled step's device memory (XLA's temporaries, arguments and outputs), GiB."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return "?"
+    total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    return f"{total / 2**30:.2f}"
+
+
+def _drop_records_after(metrics_path: str, step: int) -> None:
+    """Keep the records of metrics.jsonl up to step: a resumed run writes the later ones
+    again (its checkpoint may be older than the last record)."""
+    if not os.path.exists(metrics_path):
+        return
+    rows = [line for line in open(metrics_path) if line.strip()]
+    kept = [line for line in rows if json.loads(line)["step"] <= step]
+    with open(metrics_path, "w") as f:
+        f.writelines(kept)
+
+
 def _progress(record: dict, steps: int) -> None:
     """One progress line on stderr."""
     bar = "#" * int(30 * record["step"] / steps)
     acc = "-" if record["eval_accuracy"] is None else f"{record['eval_accuracy']:.3f}"
     tps = "-" if record["tokens_per_s"] is None else f"{record['tokens_per_s']:.0f}"
+    mfu = "" if record.get("mfu") is None else f" MFU {100 * record['mfu']:.1f}%"
     print(f"[{bar:<30}] step {record['step']}/{steps} loss {record['loss']:.4f} "
-          f"eval acc {acc} {tps} tok/s", file=sys.stderr, flush=True)
+          f"eval acc {acc} {tps} tok/s{mfu}", file=sys.stderr, flush=True)
 
 
 def _plot(metrics_path: str, out: str) -> None:

@@ -16,9 +16,11 @@ import os
 FIELDS = (("run", "run", None), ("result", "result", None), ("mesh", "mesh", None),
           ("layers", "layers", None), ("seq_len", "seq len", None),
           ("batch", "global batch", None), ("dtype", "dtype", None),
-          ("backend", "backend", None), ("steps", "steps", None), ("loss", "loss", 4),
+          ("backend", "backend", None), ("remat", "remat", None), ("steps", "steps", None),
+          ("loss", "loss", 4),
           ("eval_accuracy", "eval accuracy", 4), ("step_ms", "step ms", 1),
           ("tokens_per_s", "tokens/s", 0), ("tokens_per_s_per_gpu", "tokens/s per GPU", 0),
+          ("mfu", "MFU", 3),
           ("peak_mem_gib", "peak mem per GPU GiB", 2), ("device", "device", None),
           ("jax", "jax", None), ("command", "command", None))
 
@@ -79,6 +81,7 @@ def record(run: dict) -> dict:
     out.update(mesh=f"data={data},seq={seq}", layers=args["layers"], seq_len=args["seq_len"],
                batch=args["batch"], dtype=args["dtype"],
                backend=backend if args["backend"] else f"{backend} (default)",
+               remat=args.get("remat"), mfu=res.get("mfu"),
                steps=res.get("step"), loss=res.get("loss"),
                eval_accuracy=res.get("eval_accuracy"), step_ms=res.get("step_ms"),
                tokens_per_s=res.get("tokens_per_s"), tokens_per_s_per_gpu=per_device,

@@ -5,10 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jaxcp.models.attention import CausalSelfAttention
 from jaxcp.models.layers import GatedDeltaNet, KimiDeltaAttention
 from jaxcp.models.norm import RMSNorm
+from jaxcp.models.remat import remat_call
+from jaxcp.models.token_blocks import from_token_blocks, to_token_blocks
 
 MIXERS = ("gdn", "kda", "attn")
 REMAT = ("none", "block", "mixer")
@@ -19,16 +22,31 @@ def _call(module, *args):
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs):
+    block_tokens: apply it to blocks of this many tokens one after the other, each
+    recomputed in the backward (``jax.checkpoint``), so that the [B, T, intermediate]
+    activations exist for one block at a time; None: all tokens at once."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 block_tokens: int | None = None, *, rngs: nnx.Rngs):
+        if block_tokens is not None and block_tokens < 1:
+            raise ValueError(f"block_tokens must be positive or None, got {block_tokens}")
         lin = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
         self.gate_proj = lin(hidden_size, intermediate_size)
         self.up_proj = lin(hidden_size, intermediate_size)
         self.down_proj = lin(intermediate_size, hidden_size)
+        self.block_tokens = block_tokens
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = (p.kernel[...].astype(x.dtype)
+                          for p in (self.gate_proj, self.up_proj, self.down_proj))
+        mlp = lambda y: (jax.nn.silu(y @ gate) * (y @ up)) @ down
+        T = x.shape[1]
+        if self.block_tokens is None or T <= self.block_tokens:
+            return mlp(x)
+        out = lax.map(jax.checkpoint(mlp), to_token_blocks(x, self.block_tokens))
+        return from_token_blocks(out, T)
 
 
 class Block(nnx.Module):
@@ -36,7 +54,8 @@ class Block(nnx.Module):
 
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int,
                  intermediate_size: int, cp_axis: str | None, backend: str | None,
-                 attn_block_size: int, remat_mixer: bool = False, *, rngs: nnx.Rngs):
+                 attn_block_size: int, remat_mixer: bool = False,
+                 mlp_block_tokens: int | None = None, *, rngs: nnx.Rngs):
         self.remat_mixer = remat_mixer
         self.mixer_norm = RMSNorm(hidden_size)
         if kind == "gdn":
@@ -50,10 +69,10 @@ class Block(nnx.Module):
                                              cp_axis=cp_axis, block_size=attn_block_size,
                                              rngs=rngs)
         self.mlp_norm = RMSNorm(hidden_size)
-        self.mlp = SwiGLU(hidden_size, intermediate_size, rngs=rngs)
+        self.mlp = SwiGLU(hidden_size, intermediate_size, mlp_block_tokens, rngs=rngs)
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None) -> jax.Array:
-        mixer = nnx.remat(_call) if self.remat_mixer else _call
+        mixer = remat_call if self.remat_mixer else _call
         x = x + mixer(self.mixer, self.mixer_norm(x), cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -64,14 +83,16 @@ class LM(nnx.Module):
     layer_pattern: comma-separated mixers from MIXERS, one per block ("gdn,gdn,gdn,attn").
     backend: the GDN/KDA ops' backend (None: the library default); attn_block_size: the
     attention layers' query/key block (CausalSelfAttention's block_size). remat: what the
-    backward recomputes instead of keeping (``jax.checkpoint``, keeping nothing inside):
+    backward recomputes instead of keeping (``models.remat``, keeping nothing inside):
     "none", "block" (each block keeps only its input) or "mixer" (each mixer keeps only its
-    input; the MLPs keep theirs)."""
+    input; the MLPs keep theirs). mlp_block_tokens: the MLPs work on blocks of this many
+    tokens one at a time (``SwiGLU``); None: all tokens at once."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
                  head_dim: int, intermediate_size: int | None = None,
                  cp_axis: str | None = None, backend: str | None = None,
-                 attn_block_size: int = 1024, remat: str = "none", *, rngs: nnx.Rngs):
+                 attn_block_size: int = 1024, remat: str = "none",
+                 mlp_block_tokens: int | None = None, *, rngs: nnx.Rngs):
         if remat not in REMAT:
             raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
         self.remat = remat
@@ -82,16 +103,22 @@ class LM(nnx.Module):
         self.embed = nnx.Embed(vocab_size, hidden_size, rngs=rngs)
         self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
                                       intermediate_size or 4 * hidden_size, cp_axis, backend,
-                                      attn_block_size, remat == "mixer", rngs=rngs)
+                                      attn_block_size, remat == "mixer", mlp_block_tokens,
+                                      rngs=rngs)
                                 for kind in kinds])
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        return self.head(self.features(tokens, cu_seqlens)).astype(jnp.float32)
+
+    def features(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        """tokens [B, T] -> the final norm's output [B, T, hidden], which the head maps to
+        logits (a loss over a large vocabulary takes it in blocks: ``jaxcp.train.loss``)."""
         # nnx.Embed returns float32 whatever its table's dtype: compute in the table's dtype
         # (bf16 when the train step casts the parameters for bf16 compute)
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
-        call = nnx.remat(_call) if self.remat == "block" else _call
+        call = remat_call if self.remat == "block" else _call
         for block in self.blocks:
             x = call(block, x, cu_seqlens)
-        return self.head(self.norm(x)).astype(jnp.float32)
+        return self.norm(x)

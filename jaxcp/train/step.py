@@ -20,9 +20,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcp.train.cluster import global_batch
+from jaxcp.train.loss import masked_token_sums
 from jaxcp.train.mqar import Batch
 
 AXES = ("data", "seq")
+LOSS_BLOCK_TOKENS = 8192
 
 
 def make_optimizer(lr: float, warmup: int, steps: int, weight_decay: float = 0.1,
@@ -38,15 +40,16 @@ def _compute_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, params)
 
 
-def make_loss(graph, mesh: Mesh, compute_dtype=jnp.float32, check_vma: bool = True) -> Callable:
-    """loss(params, batch) -> (mean masked cross-entropy, accuracy on the masked positions)."""
+def make_loss(graph, mesh: Mesh, compute_dtype=jnp.float32, check_vma: bool = True,
+              loss_block_tokens: int = LOSS_BLOCK_TOKENS) -> Callable:
+    """loss(params, batch) -> (mean masked cross-entropy, accuracy on the masked positions).
+    The head's logits exist one block of loss_block_tokens tokens at a time
+    (``jaxcp.train.loss``)."""
     def local(params, batch: Batch):
         model = nnx.merge(graph, _compute_params(params, compute_dtype))
-        logits = model(batch.tokens)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets)
-        correct = (jnp.argmax(logits, -1) == batch.targets).astype(jnp.float32)
-        total = jax.lax.psum(jnp.stack([jnp.sum(ce * batch.mask), jnp.sum(correct * batch.mask),
-                                        jnp.sum(batch.mask)]), AXES)
+        sums = masked_token_sums(model.features(batch.tokens), model.head.kernel[...],
+                                 batch.targets, batch.mask, loss_block_tokens)
+        total = jax.lax.psum(jnp.concatenate([sums, jnp.sum(batch.mask)[None]]), AXES)
         return total[0] / total[2], total[1] / total[2]
 
     spec = P(*AXES)
@@ -55,9 +58,10 @@ def make_loss(graph, mesh: Mesh, compute_dtype=jnp.float32, check_vma: bool = Tr
 
 
 def make_train_step(graph, mesh: Mesh, tx: optax.GradientTransformation,
-                    compute_dtype=jnp.float32, check_vma: bool = True) -> Callable:
+                    compute_dtype=jnp.float32, check_vma: bool = True,
+                    loss_block_tokens: int = LOSS_BLOCK_TOKENS) -> Callable:
     """step(params, opt_state, batch) -> (params, opt_state, loss, accuracy), jitted."""
-    loss = make_loss(graph, mesh, compute_dtype, check_vma)
+    loss = make_loss(graph, mesh, compute_dtype, check_vma, loss_block_tokens)
 
     @jax.jit
     def step(params, opt_state, batch):
