@@ -5,6 +5,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jaxcp.cp.split import check_layout
 from jaxcp.gate import Gate
 from jaxcp.stages import BACKENDS as STAGE_BACKENDS
 from jaxcp.vma import manual_axis_size
@@ -46,7 +47,7 @@ def axis_size_or_raise(cp_axis: str) -> int:
 
 
 def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
-                 cp_strategy, chunk_size, backend) -> int:
+                 cp_strategy, chunk_size, backend, cp_layout="contiguous") -> int:
     """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL).
     Returns the number of devices on cp_axis (1 without CP)."""
     for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
@@ -80,6 +81,10 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
         raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
 
     world = 1 if cp_axis is None else axis_size_or_raise(cp_axis)
+    check_layout(cp_layout, T if cp_axis is not None else None)
+    if cp_axis is not None and cp_layout != "contiguous" and cp_strategy == "relay":
+        raise ValueError(f"cp_strategy='relay' hands the state from device to device and takes "
+                         f"cp_layout='contiguous' only, got cp_layout={cp_layout!r}")
     if cp_axis is not None and cp_strategy == "all_to_all" and H % world:
         raise ValueError(f"cp_strategy='all_to_all' splits heads over cp_axis {cp_axis!r} of size "
                          f"{world}: q/k's H = {H} must be divisible by it")

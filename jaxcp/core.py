@@ -7,11 +7,15 @@ implementation (``stages.Implementation``; the Pallas kernels), as the caller ha
 layout gives it, and for the Pallas KDA stages g is G, the gate's chunk cumsum
 [NT, B, HV, C, K] (``stages``, gate_cumsum); initial states [N, HV, K, V] float32 or None.
 
-Forward:  intra-chunk terms -> entry state of this device (CP: local summary (S_ext, M),
+A device's tokens are one piece of the sequence, or two under the zigzag layout
+(``cp.split``); every stage runs per piece, and the cross-device step composes the pieces'
+maps in sequence order.
+
+Forward:  intra-chunk terms -> entry state of each piece (CP: local summary (S_ext, M),
           all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
 Backward: recompute the intra-chunk terms (Pallas GDN: only w and u, from the inverses
-          the forward kept) and the chunk states from the saved entry state (no state per
-          chunk is stored), get the cotangent of this device's exit state (CP: local
+          the forward kept) and the chunk states from the saved entry states (no state per
+          chunk is stored), get the cotangent of each piece's exit state (CP: local
           dS_ext, all-gather with M, suffix merge; or the relay), reverse state recurrence,
           then the cotangents of the chunk inputs (``chunk_grads``).
 """
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.cp.merge import merge_prefix, merge_suffix
+from jaxcp.cp.split import axis_piece_indices
 from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
 from jaxcp.vma import match_cotangent, vary_like
@@ -35,7 +40,8 @@ from jaxcp.xla import ChunkTerms
 @dataclass(frozen=True)
 class CoreConfig:
     """Static settings of one call. gate: the decay gate's kind. cp_strategy: "allgather" or
-    "relay" (all_to_all wraps the op without CP, see ``cp.all_to_all``). backend: "xla",
+    "relay" (all_to_all wraps the op without CP, see ``cp.all_to_all``); cp_layout: how the
+    sequence is split over cp_axis (``cp.split``; relay takes "contiguous" only). backend: "xla",
     "pallas" or "interpret"; whether q, k, v, g, beta (and o) are token-major
     [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
     normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C.
@@ -47,6 +53,7 @@ class CoreConfig:
     gate: Gate
     cp_axis: str | None = None
     cp_strategy: str = "allgather"
+    cp_layout: str = "contiguous"
     backend: str = "xla"
     dot_dtype: str = "float32"
     normalize_qk: bool = False
@@ -73,47 +80,74 @@ def _shift(axis: str, x: jax.Array, step: int) -> jax.Array:
     return lax.ppermute(x, axis, perm)
 
 
-def _entry_state(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, init):
-    """State entering this device's first chunk, and the device's transition M (allgather)."""
+def _gather_in_order(cfg: CoreConfig, per_piece: list):
+    """All-gather each local piece's arrays (a pytree per piece) over the axis, in one
+    collective, and stack them in sequence order: [n_pieces, ...] (W pieces contiguous, 2W
+    zigzag, where device r holds pieces r and 2W - 1 - r)."""
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_piece)
+    gathered = lax.all_gather(stacked, cfg.cp_axis)                    # [W, local, ...]
+    if cfg.cp_layout == "contiguous":
+        return jax.tree.map(lambda a: a[:, 0], gathered)
+    return jax.tree.map(lambda a: jnp.concatenate([a[:, 0], a[::-1, 1]]), gathered)
+
+
+def _entry_states(cfg: CoreConfig, terms, layouts, init, pieces):
+    """The state entering each local piece's first chunk, and each piece's transition M
+    (allgather)."""
     st = cfg.stages
-    zero = _zero_state(terms)
+    zeros = [_zero_state(t) for t in terms]
     if cfg.cp_axis is None:
-        return zero, None
+        return zeros, [None] * len(terms)
     axis = cfg.cp_axis
+    n_pieces = lax.axis_size(axis) * len(pieces)
     if cfg.cp_strategy == "allgather":
-        # no device after the last one reads its summary
-        last = lax.axis_index(axis) == lax.axis_size(axis) - 1
-        ext, m = st.cp_summary(terms, layout, init, unused=last)
-        ext_all, m_all = lax.all_gather((ext, m), axis)
-        return merge_prefix(ext_all, m_all, lax.axis_index(axis)), m
-    relay = lambda _, s_in: _shift(axis, st.state_last(terms, layout, init, s_in), +1)
-    return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero), None
+        # no piece after the last one reads its summary
+        summaries = [st.cp_summary(t, lay, init, unused=p == n_pieces - 1)
+                     for t, lay, p in zip(terms, layouts, pieces)]
+        ext_all, m_all = _gather_in_order(cfg, summaries)
+        return [merge_prefix(ext_all, m_all, p) for p in pieces], [m for _, m in summaries]
+    (t,), (lay,) = terms, layouts
+    relay = lambda _, s_in: _shift(axis, st.state_last(t, lay, init, s_in), +1)
+    return [lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zeros[0])], [None]
 
 
-def _exit_cotangent(cfg: CoreConfig, terms: ChunkTerms, layout: ChunkLayout, do, d_final, m):
-    """Cotangent of the state leaving this device's last chunk, from the devices after it."""
-    zero = _zero_state(terms)
+def _exit_cotangents(cfg: CoreConfig, terms, layouts, do, d_final, ms, pieces):
+    """Cotangent of the state leaving each local piece's last chunk, from the pieces after
+    it."""
+    zeros = [_zero_state(t) for t in terms]
     if cfg.cp_axis is None:
-        return zero
+        return zeros
     axis = cfg.cp_axis
-    entry_grad = lambda d_last, unused=None: cfg.stages.state_bwd(
-        terms, layout, do, d_final, d_last, entry_only=True, unused=unused)
+    entry_grad = lambda t, lay, d, d_last, unused=None: cfg.stages.state_bwd(
+        t, lay, d, d_final, d_last, entry_only=True, unused=unused)
     if cfg.cp_strategy == "allgather":
-        # no device before the first one reads its entry cotangent
-        first = lax.axis_index(axis) == 0
-        d_ext_all, m_all = lax.all_gather((entry_grad(zero, first), m), axis)
-        return merge_suffix(d_ext_all, m_all, lax.axis_index(axis))
-    relay = lambda _, d_last: _shift(axis, entry_grad(d_last), -1)
-    return lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zero)
+        # no piece before the first one reads its entry cotangent
+        d_ext_all, m_all = _gather_in_order(cfg, [
+            (entry_grad(t, lay, d, z, p == 0), m)
+            for t, lay, d, z, p, m in zip(terms, layouts, do, zeros, pieces, ms)])
+        return [merge_suffix(d_ext_all, m_all, p) for p in pieces]
+    (t,), (lay,), (d,) = terms, layouts, do
+    relay = lambda _, d_last: _shift(axis, entry_grad(t, lay, d, d_last), -1)
+    return [lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zeros[0])]
 
 
-def _forward(cfg, q, k, v, g, beta, init, layout, for_backward=False):
+def _piece_indices(cfg: CoreConfig) -> tuple:
+    """Each local piece's place in the sequence (``cp.split``)."""
+    return (0,) if cfg.cp_axis is None else axis_piece_indices(cfg.cp_layout, cfg.cp_axis)
+
+
+def _forward(cfg, q, k, v, g, beta, init, layouts, for_backward=False):
     st = cfg.stages
-    terms = st.intra(q, k, v, g, beta, cfg.scale, layout, with_inverse=for_backward)
-    s_in, m = _entry_state(cfg, terms, layout, init)
-    o, finals = st.state_output(terms, layout, init, s_in, cfg.output_final_state)
-    kept = st.keep(terms) if for_backward else None
-    return (o, finals), (q, k, v, g, beta, init, layout, s_in, m, kept)
+    pieces = _piece_indices(cfg)
+    terms = [st.intra(*x, cfg.scale, lay, with_inverse=for_backward)
+             for *x, lay in zip(q, k, v, g, beta, layouts)]
+    s_in, ms = _entry_states(cfg, terms, layouts, init, pieces)
+    outs = [st.state_output(t, lay, init, s, cfg.output_final_state)
+            for t, lay, s in zip(terms, layouts, s_in)]
+    o = tuple(o_p for o_p, _ in outs)
+    finals = None if not cfg.output_final_state else sum(f for _, f in outs)
+    kept = [st.keep(t) for t in terms] if for_backward else None
+    return (o, finals), (q, k, v, g, beta, init, layouts, s_in, ms, kept)
 
 
 def _forward_for_backward(cfg, *args):
@@ -124,29 +158,38 @@ def _forward_for_backward(cfg, *args):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layout: ChunkLayout):
-    """o [NT, B, HV, C, V] (token-major: [B, T, HV, V]) and the final states [N, HV, K, V]
-    of the sequences that end on this device, zero for the others (None unless
-    cfg.output_final_state); under CP the caller sums them over the axis, outside this vjp,
-    so that JAX transposes the sum for either setting of shard_map's check_vma."""
-    return _forward(cfg, q, k, v, g, beta, init, layout)[0]
+def chunk_delta_rule(cfg: CoreConfig, q, k, v, g, beta, init, layouts):
+    """q, k, v, g, beta, layouts: tuples with one entry per local piece of the sequence
+    (``cp.split``; one without CP). Returns o, a tuple of [NT, B, HV, C, V] (token-major:
+    [B, T_piece, HV, V]) per piece, and the final states [N, HV, K, V] of the sequences that
+    end on this device, zero for the others (None unless cfg.output_final_state); under CP
+    the caller sums them over the axis, outside this vjp, so that JAX transposes the sum for
+    either setting of shard_map's check_vma."""
+    return _forward(cfg, q, k, v, g, beta, init, layouts)[0]
 
 
 def _backward(cfg, res, cts):
-    q, k, v, g, beta, init, layout, s_in, m, kept = res
+    q, k, v, g, beta, init, layouts, s_in, ms, kept = res
     do, d_final = cts
     st = cfg.stages
-    terms = st.intra_again(q, k, v, g, beta, cfg.scale, layout, kept)
-    h, v_new, _ = st.state_fwd(terms, layout, init, s_in)
-    d_last = _exit_cotangent(cfg, terms, layout, do, d_final, m)
-    _, d_init, x, dvn = st.state_bwd(terms, layout, do, d_final, d_last,
-                                     with_d_init=init is not None)
-    dq, dk, dv, dg, dbeta = st.chunk_grads(q, k, v, g, beta, cfg.scale, layout, terms, h,
-                                           v_new, x, dvn, do)
+    pieces = _piece_indices(cfg)
+    terms = [st.intra_again(*x, cfg.scale, lay, kp)
+             for *x, lay, kp in zip(q, k, v, g, beta, layouts, kept)]
+    d_last = _exit_cotangents(cfg, terms, layouts, do, d_final, ms, pieces)
+    grads, d_init = [], None
+    for i, (t, lay) in enumerate(zip(terms, layouts)):
+        h, v_new, _ = st.state_fwd(t, lay, init, s_in[i])
+        _, d_init_i, x, dvn = st.state_bwd(t, lay, do[i], d_final, d_last[i],
+                                           with_d_init=init is not None)
+        dx = st.chunk_grads(q[i], k[i], v[i], g[i], beta[i], cfg.scale, lay, t, h, v_new, x,
+                            dvn, do[i])
+        grads.append(tuple(d.astype(p.dtype) for d, p in zip(dx, (q[i], k[i], v[i], g[i],
+                                                                  beta[i]))))
+        if init is not None:
+            d_init = d_init_i if d_init is None else d_init + d_init_i
     if init is not None:
         d_init = match_cotangent(d_init, init)
-    grads = tuple(d.astype(x.dtype) for d, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta)))
-    return *grads, d_init, None
+    return *(tuple(per_input) for per_input in zip(*grads)), d_init, None
 
 
 chunk_delta_rule.defvjp(_forward_for_backward, _backward)

@@ -8,6 +8,7 @@ from jax import lax
 from jaxcp.checks import check_gate_activation, check_inputs
 from jaxcp.cp.all_to_all import head_all_to_all
 from jaxcp.core import CoreConfig, chunk_delta_rule
+from jaxcp.cp.split import Piece, axis_pieces
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
@@ -16,14 +17,14 @@ from jaxcp.stages import implementation, resolve_backend
 
 
 def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-              cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, chunk_size, backend,
-              gate_bound=None, activation=None):
+              cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, cp_layout, chunk_size,
+              backend, gate_bound=None, activation=None):
     """activation: None (g is the decay), or (A_log, dt_bias, lower_bound) of the gate
     activation that turns the raw g into the decay (``gate.decay_from_raw``): inside the
     gate kernel where the stages take G (``stages``), else by XLA here."""
     world = check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
-                         chunk_size=chunk_size, backend=backend)
+                         chunk_size=chunk_size, backend=backend, cp_layout=cp_layout)
     if cu_seqlens is not None and cu_seqlens.shape[0] == 2:
         cu_seqlens = None        # one sequence, [0, T): the same as B = 1 without cu_seqlens
     if cp_axis is not None and cp_strategy == "all_to_all":
@@ -33,9 +34,9 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
             gate, q, k, v, g, beta, scale=scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=None,
-            cp_strategy="allgather", chunk_size=chunk_size, backend=backend,
-            gate_bound=gate_bound)
-        return head_all_to_all(run, cp_axis, q, k, v, g, beta, initial_state)
+            cp_strategy="allgather", cp_layout="contiguous", chunk_size=chunk_size,
+            backend=backend, gate_bound=gate_bound)
+        return head_all_to_all(run, cp_axis, q, k, v, g, beta, initial_state, cp_layout)
 
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -50,43 +51,53 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
         q, k = l2_normalize(q), l2_normalize(k)
     q, k = (jnp.repeat(x.astype(impl.qk_dtype(dot_dtype)), HV // H, axis=2) for x in (q, k))
 
-    device_start = 0 if cp_axis is None else lax.axis_index(cp_axis) * T
+    local = (Piece(0, 0, 0, T),) if cp_axis is None else axis_pieces(cp_layout, cp_axis, T)
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    layout, token_map = build_layout(B, T, chunk_size, cu_seqlens, device_start, T * world)
-    NT = num_chunks(T, chunk_size, n_seqs)
-    if impl.token_major:
-        chunk = unchunk = lambda x: x
-    else:
-        chunk = lambda x: to_chunks(x, token_map, NT, chunk_size)
-        unchunk = lambda y: from_chunks(y, token_map, T)
-    if impl.gate_cumsum:
-        A_log, dt_bias, lower_bound = activation or (None, None, None)
-        cumsum = GateCumsum(chunk_size, NT, activate=activation is not None,
-                            lower_bound=lower_bound, interpret=backend == "interpret")
-        g = chunk_gate(cumsum, g, A_log, dt_bias, layout)
-    else:
-        if activation is not None:
-            g = decay_from_raw(gate, g, *activation)
-        g = chunk(f32(g)[..., None] if gate is Gate.SCALAR else f32(g))
+    piece_len = local[0].length
+    NT = num_chunks(piece_len, chunk_size, n_seqs)
+    A_log, dt_bias, lower_bound = activation or (None, None, None)
+    if not impl.gate_cumsum and activation is not None:
+        g = decay_from_raw(gate, g, *activation)
+    pieces_in, layouts, unchunks = [], [], []
+    for p in local:
+        cut = (lambda x: x) if len(local) == 1 else (lambda x: x[:, p.offset:p.offset + p.length])
+        layout, token_map = build_layout(B, piece_len, chunk_size, cu_seqlens, p.start, T * world)
+        if impl.token_major:
+            chunk = unchunk = lambda x: x
+        else:
+            chunk = lambda x, tm=token_map: to_chunks(x, tm, NT, chunk_size)
+            unchunk = lambda y, tm=token_map: from_chunks(y, tm, piece_len)
+        if impl.gate_cumsum:
+            cumsum = GateCumsum(chunk_size, NT, activate=activation is not None,
+                                lower_bound=lower_bound, interpret=backend == "interpret")
+            g_p = chunk_gate(cumsum, cut(g), A_log, dt_bias, layout)
+        else:
+            g_p = chunk(f32(cut(g))[..., None] if gate is Gate.SCALAR else f32(cut(g)))
+        v_p = cut(v).astype(impl.v_dtype(dot_dtype))
+        pieces_in.append((chunk(cut(q)), chunk(cut(k)), chunk(v_p), g_p, chunk(f32(cut(beta)))))
+        layouts.append(layout)
+        unchunks.append(unchunk)
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
-                     cp_axis=cp_axis, cp_strategy=cp_strategy, backend=backend,
-                     dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
+                     cp_axis=cp_axis, cp_strategy=cp_strategy, cp_layout=cp_layout,
+                     backend=backend, dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
                      chunk_size=chunk_size, gate_bound=gate_bound,
-                     unit_qk=use_qk_l2norm_in_kernel, tokens=T if impl.token_major else None)
-    v_in = v.astype(impl.v_dtype(dot_dtype))
-    o, final = chunk_delta_rule(cfg, chunk(q), chunk(k), chunk(v_in), g, chunk(f32(beta)),
-                                init, layout)
+                     unit_qk=use_qk_l2norm_in_kernel,
+                     tokens=piece_len if impl.token_major else None)
+    o_pieces, final = chunk_delta_rule(cfg, *(tuple(x) for x in zip(*pieces_in)), init,
+                                       tuple(layouts))
+    o = jnp.concatenate([unchunk(o_p) for unchunk, o_p in zip(unchunks, o_pieces)], axis=1)
     if final is not None and cp_axis is not None:
         final = lax.psum(final, cp_axis)
-    return unchunk(o).astype(v.dtype), final
+    return o.astype(v.dtype), final
 
 
 _DOC = """{title}
 
     o, final_state = {name}(q, k, v, g, beta, *, scale=None, initial_state=None,
         output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
-        cp_axis=None, cp_strategy="allgather", chunk_size=64, backend=None)
+        cp_axis=None, cp_strategy="allgather", cp_layout="contiguous", chunk_size=64,
+        backend=None)
 
     Per value head and token t (the state S is [K, V], float32):
         {decay}
@@ -105,12 +116,17 @@ _DOC = """{title}
         does not re-trace.
       use_qk_l2norm_in_kernel: L2-normalise q and k over K first.
       cp_axis: name of a manual mesh axis of an enclosing jax.shard_map. q, k, v, g, beta
-        are then this device's contiguous slice of the sequence (device r holds tokens
-        [r * T, (r + 1) * T)); cu_seqlens, initial_state and final_state are global and
-        replicated. Results equal those of the single-device call.
+        are then this device's tokens of the sequence, laid out by cp_layout; cu_seqlens,
+        initial_state and final_state are global (sequence positions) and replicated.
+        Results equal those of the single-device call.
       cp_strategy: "allgather" (each device summarises its shard as an affine state map,
         one all-gather, a prefix merge), "all_to_all" (heads split over the axis; H must
-        divide by its size) or "relay" (sequential hand-off of the state, a baseline).
+        divide by its size) or "relay" (sequential hand-off of the state, a baseline;
+        contiguous layout only).
+      cp_layout: "contiguous" (device r holds tokens [r T, (r + 1) T)) or "zigzag" (the
+        sequence cut into 2W pieces of T / 2, device r holds pieces r and 2W - 1 - r, in
+        that order: balanced causal attention in a hybrid; T even). ``jaxcp.to_layout``
+        permutes a batch into it (``jaxcp.cp.split``).
       chunk_size: tokens per chunk, one of (16, 32, 64, 128).
       backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode) or
         None: "pallas" on a GPU, "xla" elsewhere.
@@ -127,14 +143,16 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
                            use_qk_l2norm_in_kernel: bool = False,
                            use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
                            dt_bias: jax.Array | None = None, cp_axis: str | None = None,
-                           cp_strategy: str = "allgather", chunk_size: int = 64,
+                           cp_strategy: str = "allgather", cp_layout: str = "contiguous",
+                           chunk_size: int = 64,
                            backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
     check_gate_activation(Gate.SCALAR, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias)
     return _chunk_op(Gate.SCALAR, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend,
+                     cp_strategy=cp_strategy, cp_layout=cp_layout, chunk_size=chunk_size,
+                     backend=backend,
                      activation=(A_log, dt_bias, None) if use_gate_in_kernel else None)
 
 
@@ -144,7 +162,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
               use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
               A_log: jax.Array | None = None, dt_bias: jax.Array | None = None,
               safe_gate: bool = False, lower_bound: float | None = None,
-              cp_axis: str | None = None, cp_strategy: str = "allgather", chunk_size: int = 64,
+              cp_axis: str | None = None, cp_strategy: str = "allgather",
+              cp_layout: str = "contiguous", chunk_size: int = 64,
               backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
     check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
@@ -157,7 +176,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     return _chunk_op(Gate.CHANNEL, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
-                     cp_strategy=cp_strategy, chunk_size=chunk_size, backend=backend,
+                     cp_strategy=cp_strategy, cp_layout=cp_layout, chunk_size=chunk_size,
+                     backend=backend,
                      gate_bound=gate_bound, activation=activation)
 
 

@@ -59,16 +59,22 @@ def value_and_grads(fn, args, wo, wf, **kw):
     return out, grads
 
 
-def cp_call(op, mesh, axis: str, *, check_vma: bool = True, **kw):
-    """op under jax.jit + shard_map, the sequence dimension split over `axis`."""
+def cp_call(op, mesh, axis: str, *, check_vma: bool = True, cp_layout: str = "contiguous",
+            **kw):
+    """op under jax.jit + shard_map, the sequence dimension split over `axis` in cp_layout
+    (inputs and o in sequence order: permuted into the layout and back around the call)."""
     seq, rep = P(None, axis), P()
+    W = mesh.shape[axis]
 
     def body(q, k, v, g, beta, h0):
-        return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cp_axis=axis, **kw)
+        return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cp_axis=axis,
+                  cp_layout=cp_layout, **kw)
 
     def call(q, k, v, g, beta, *, initial_state, output_final_state):
         f = jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5 + (rep,), out_specs=(seq, rep),
                           check_vma=check_vma)
-        return f(q, k, v, g, beta, initial_state)
+        laid = [jaxcp.to_layout(x, cp_layout, W) for x in (q, k, v, g, beta)]
+        o, final = f(*laid, initial_state)
+        return jaxcp.from_layout(o, cp_layout, W), final
 
     return call

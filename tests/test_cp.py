@@ -23,7 +23,7 @@ def mesh_of(W):
 
 
 def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=None,
-            tol_single=None, single_device=True):
+            tol_single=None, single_device=True, cp_layout="contiguous"):
     """CP against the reference and (single_device) the single-device op, to tol_single
     (default tol)."""
     tol_single = tol if tol_single is None else tol_single
@@ -32,7 +32,7 @@ def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=No
     wo, wf = cotangents((B, T, HV, V), (args[5].shape))
     kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     cp = cp_call(op, mesh_of(W), "seq", cp_strategy=strategy, check_vma=check_vma,
-                 backend=backend, **kw)
+                 backend=backend, cp_layout=cp_layout, **kw)
     (o_cp, f_cp), g_cp = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))(*args)
     (o_r, f_r), g_r = jax.jit(lambda *a: value_and_grads(ref, a, wo, wf, **kw))(*args)
     assert_rel(o_cp, o_r, tol, "o: CP vs reference")
@@ -60,6 +60,35 @@ def test_cp_varlen(kind, W, strategy):
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
                        n_states=len(cu) - 1, seed=W)
     compare(kind, W, strategy, args, jnp.asarray(cu, jnp.int32))
+
+
+# zigzag: W -> (T_local, cu_seqlens) with pieces of T_local / 2 = 20 tokens: a 1-token
+# sequence, starts on piece boundaries (20, 140) and inside pieces, sequences across
+# several pieces (and so across devices in both directions)
+ZIGZAG_LAYOUTS = {
+    4: (40, [0, 1, 20, 45, 140, 141, 160]),
+    8: (40, [0, 1, 40, 45, 150, 151, 300, 320]),
+}
+
+
+@pytest.mark.parametrize("W, strategy", [(4, "allgather"), (4, "all_to_all"), (8, "allgather")])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cp_zigzag_varlen(kind, W, strategy):
+    """The zigzag layout (device r holds pieces r and 2W - 1 - r) equals the reference and
+    one device: o, final states and every gradient, initial states included."""
+    T_local, cu = ZIGZAG_LAYOUTS[W]
+    args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
+                       n_states=len(cu) - 1, seed=W + 20)
+    compare(kind, W, strategy, args, jnp.asarray(cu, jnp.int32), cp_layout="zigzag")
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cp_zigzag_pallas_interpret(kind):
+    """Zigzag through the Pallas kernels in interpret mode: B = 2 rows without cu_seqlens,
+    and pieces of whole chunks (the kernels read the rows in place)."""
+    args = make_inputs(kind, 2, 2 * 128, 2, 2, 16, 16, n_states=2, seed=31)
+    compare(kind, 2, "allgather", args, None, check_vma=False, backend="interpret",
+            single_device=False, cp_layout="zigzag")
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "relay"])

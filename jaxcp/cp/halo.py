@@ -1,9 +1,10 @@
-"""The conv halo: the last tokens before this device's shard, fetched from earlier devices.
+"""The conv halo: the last tokens before each of this device's pieces, fetched from the devices
+that hold the pieces before them.
 
-A causal convolution of width W at a device's first tokens needs the W - 1 tokens before its
-shard. They may sit on several earlier devices when T_local < W - 1, so the window is passed on
-hop by hop with ``lax.ppermute``: after hop n every device holds the last W - 1 tokens of
-everything up to n devices back. Gradients flow back through the same permutes.
+A causal convolution of width W at a piece's first tokens needs the W - 1 tokens before it.
+They may sit in several earlier pieces when a piece is shorter than W - 1, so the window is
+passed on hop by hop with ``lax.ppermute``: after hop n every piece holds the last W - 1
+tokens of everything up to n pieces back. Gradients flow back through the same permutes.
 """
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcp.cp.split import axis_pieces, next_piece_shift
 
-def previous_tokens(x: jax.Array, width: int, axis: str) -> jax.Array:
-    """x [B, T_local, ...] -> [B, width, ...]: the `width` tokens just before this device's
-    shard along axis 1 (zeros before the first device's start)."""
-    W = lax.axis_size(axis)
-    t_local = x.shape[1]
-    perm = [(i, i + 1) for i in range(W - 1)]
-    window = jnp.zeros((x.shape[0], width) + x.shape[2:], x.dtype)
-    hops = min(W - 1, -(-width // t_local))
+
+def previous_tokens(x: jax.Array, width: int, axis: str,
+                    cp_layout: str = "contiguous") -> tuple[jax.Array, ...]:
+    """x [B, T_local, ...] -> one [B, width, ...] window per local piece (``cp.split``): the
+    `width` tokens just before the piece in the sequence (zeros before its start)."""
+    local = axis_pieces(cp_layout, axis, x.shape[1])
+    xs = [x[:, p.offset:p.offset + p.length] for p in local]
+    windows = tuple(jnp.zeros((x.shape[0], width) + x.shape[2:], x.dtype) for _ in local)
+    n_pieces = lax.axis_size(axis) * len(local)
+    hops = min(n_pieces - 1, -(-width // local[0].length))
     for _ in range(hops):
-        tail = jnp.concatenate([window, x], axis=1)[:, -width:]
-        window = lax.ppermute(tail, axis, perm)
-    return window
+        tails = tuple(jnp.concatenate([w, xp], axis=1)[:, -width:] for w, xp in zip(windows, xs))
+        windows = next_piece_shift(cp_layout, axis, tails)
+    return windows

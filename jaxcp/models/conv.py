@@ -4,9 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from jaxcp.cp.halo import previous_tokens
+from jaxcp.cp.split import Piece, axis_pieces, check_layout
 from jaxcp.layout import sequence_of
 
 
@@ -15,13 +15,15 @@ class ShortConvolution(nnx.Module):
     sequence start (taps from another sequence, or before the stream, read zero).
 
     weight [conv_size, hidden] is FLA's Conv1d weight [hidden, 1, conv_size] transposed.
-    With cp_axis (inside shard_map, x is this device's slice of the sequence), the W - 1 tokens
-    before the shard come from the earlier devices (``cp.halo.previous_tokens``), also when
-    T_local < W - 1.
+    With cp_axis (inside shard_map, x is this device's tokens of the sequence, laid out by
+    cp_layout: ``cp.split``), the W - 1 tokens before each piece come from the devices that
+    hold the pieces before it (``cp.halo.previous_tokens``), also when a piece is shorter.
     """
 
     def __init__(self, hidden_size: int, conv_size: int = 4, activation: str | None = "silu",
-                 cp_axis: str | None = None, *, rngs: nnx.Rngs):
+                 cp_axis: str | None = None, cp_layout: str = "contiguous", *,
+                 rngs: nnx.Rngs):
+        check_layout(cp_layout)
         if conv_size < 1:
             raise ValueError(f"conv_size must be >= 1, got {conv_size}")
         if activation not in (None, "silu"):
@@ -32,27 +34,33 @@ class ShortConvolution(nnx.Module):
         self.conv_size = conv_size
         self.activation = activation
         self.cp_axis = cp_axis
+        self.cp_layout = cp_layout
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
         """x [B, T, hidden] -> [B, T, hidden]; cu_seqlens: global offsets (B == 1)."""
         B, T, _ = x.shape
         W = self.conv_size
         if self.cp_axis is None:
-            halo = jnp.zeros((B, W - 1) + x.shape[2:], x.dtype)
-            start = 0
+            local = (Piece(0, 0, 0, T),)
+            halos = (jnp.zeros((B, W - 1) + x.shape[2:], x.dtype),)
         else:
-            halo = previous_tokens(x, W - 1, self.cp_axis)
-            start = lax.axis_index(self.cp_axis) * T
-        ext = jnp.concatenate([halo, x], axis=1)
-        pos = start - (W - 1) + jnp.arange(T + W - 1)
-        if cu_seqlens is None:
-            seq = jnp.zeros_like(pos)
-        else:
-            seq = sequence_of(cu_seqlens, pos)
+            local = axis_pieces(self.cp_layout, self.cp_axis, T)
+            halos = previous_tokens(x, W - 1, self.cp_axis, self.cp_layout)
         weight = self.weight[...].astype(x.dtype)
+        y = jnp.concatenate([self._piece(x[:, p.offset:p.offset + p.length], halo, p.start,
+                                         weight, cu_seqlens)
+                             for p, halo in zip(local, halos)], axis=1)
+        return jax.nn.silu(y) if self.activation == "silu" else y
+
+    def _piece(self, x, halo, start, weight, cu_seqlens):
+        """The convolution of one piece x [B, L, hidden] at global tokens [start, start + L)."""
+        W, L = self.conv_size, x.shape[1]
+        ext = jnp.concatenate([halo, x], axis=1)
+        pos = start - (W - 1) + jnp.arange(L + W - 1)
+        seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
         y = jnp.zeros_like(x)
         for lag in range(W):
-            src = slice(W - 1 - lag, W - 1 - lag + T)
+            src = slice(W - 1 - lag, W - 1 - lag + L)
             keep = (pos[src] >= 0) & (seq[src] == seq[W - 1:])
             y = y + jnp.where(keep[None, :, None], ext[:, src] * weight[W - 1 - lag], 0)
-        return jax.nn.silu(y) if self.activation == "silu" else y
+        return y
