@@ -73,6 +73,10 @@ def parse_args(argv=None):
                     help="GDN/KDA backend (default: the library's)")
     ap.add_argument("--remat", default="none", choices=["none", "block", "mixer"],
                     help="recompute in the backward: each block or each mixer (jax.checkpoint)")
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
+                    help="how the sequence is split over the seq axis: contiguous, or zigzag "
+                         "(2 x seq pieces, device r holds pieces r and 2 seq - 1 - r: causal "
+                         "attention balanced)")
     ap.add_argument("--mlp-block", type=int, default=32768,
                     help="tokens per MLP block: the MLPs run block by block, each recomputed in "
                          "the backward (0: all tokens at once)")
@@ -110,6 +114,9 @@ def parse_args(argv=None):
         ap.error(f"--batch {args.batch} must be divisible by the data axis {data}")
     if args.seq_len % seq:
         ap.error(f"--seq-len {args.seq_len} must be divisible by the seq axis {seq}")
+    if args.layout == "zigzag" and seq > 1 and args.seq_len % (2 * seq):
+        ap.error(f"--layout zigzag: --seq-len {args.seq_len} must be divisible by 2 x the seq "
+                 f"axis = {2 * seq}")
     if args.data is not None:
         if not os.path.isfile(args.data):
             ap.error(f"--data {args.data}: no such file")
@@ -240,12 +247,12 @@ def _train(args, ap, argv, env, cluster) -> int:
         ap.error(f"--mesh has {data * seq} devices; the {jax.process_count()} processes have "
                  f"{jax.device_count()} together")
     mesh = Mesh(np.array(jax.devices()[:data * seq]).reshape(data, seq), ("data", "seq"))
-    place_batch = lambda batch: shard_batch(batch, mesh)
+    place_batch = lambda batch: shard_batch(batch, mesh, args.layout)
     try:
         model = LM(args.vocab, args.hidden, args.layers, args.heads, args.head_dim,
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
                    attn_block_size=args.attn_block, remat=args.remat,
-                   mlp_block_tokens=args.mlp_block or None,
+                   mlp_block_tokens=args.mlp_block or None, cp_layout=args.layout,
                    rngs=nnx.Rngs(args.seed))
     except ValueError as e:
         ap.error(str(e))

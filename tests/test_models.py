@@ -6,8 +6,11 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxcp import from_layout, to_layout
+from jaxcp.cp.split import pieces as split_pieces
 from jaxcp.models import LM, CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention, ShortConvolution
 from helpers import assert_rel
+from jaxcp.models import attention
 
 HIDDEN = 32
 VOCAB = 64
@@ -17,9 +20,11 @@ def mesh_of(W):
     return Mesh(np.array(jax.devices()[:W]), ("seq",))
 
 
-def compare_cp(make, W, T, cu, *, tol=1e-4, tokens=False):
+def compare_cp(make, W, T, cu, *, tol=1e-4, tokens=False, cp_layout="contiguous"):
     """make(cp_axis) -> module; same parameters with and without CP. tokens: the module takes
-    int tokens [1, T] (an LM) rather than [1, T, HIDDEN] activations."""
+    int tokens [1, T] (an LM) rather than [1, T, HIDDEN] activations. cp_layout: the CP
+    module's (make("seq") must build it so); its input is permuted into the layout and its
+    output back."""
     plain, sharded = make(None), make("seq")
     graph_plain, params = nnx.split(plain)
     graph_cp, params_cp = nnx.split(sharded)
@@ -38,8 +43,9 @@ def compare_cp(make, W, T, cu, *, tol=1e-4, tokens=False):
 
     def run_cp(params, x):
         body = lambda params, x: nnx.merge(graph_cp, params)(x, cu)
-        return jax.shard_map(body, mesh=mesh_of(W), in_specs=(P(), P(None, "seq")),
-                             out_specs=P(None, "seq"))(params, x)
+        y = jax.shard_map(body, mesh=mesh_of(W), in_specs=(P(), P(None, "seq")),
+                          out_specs=P(None, "seq"))(params, to_layout(x, cp_layout, W))
+        return from_layout(y, cp_layout, W)
 
     def outputs_and_grads(run):
         """One program: the output and the gradients of <output, wo> (x's too, unless it
@@ -169,3 +175,70 @@ def test_layer_enters_shard_map_under_jit_on_a_mesh(kind):
     with jax.set_mesh(mesh):
         y = jax.jit(lambda x: sharded(x))(x)
     assert_rel(y, plain(x), 1e-4, "output")
+
+
+ZIGZAG = dict(cp_layout="zigzag")
+
+
+@pytest.mark.parametrize("T_local,cu", [(2, [0, 3, 8]), (8, [0, 1, 9, 20, 32])])
+def test_short_conv_halo_zigzag(T_local, cu):
+    """Pieces of 1 token (the halo from several pieces back, across devices both ways) and of
+    4 tokens, sequence starts on and inside pieces."""
+    compare_cp(lambda ax: ShortConvolution(HIDDEN, 4, "silu", ax, "zigzag", rngs=nnx.Rngs(0)),
+               4, 4 * T_local, cu, cp_layout="zigzag")
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 30, 31, 48]])
+def test_gated_deltanet_cp_zigzag(cu):
+    compare_cp(lambda ax: GatedDeltaNet(HIDDEN, 2, 16, num_v_heads=4, expand_v=1.0, cp_axis=ax,
+                                        rngs=nnx.Rngs(0), **ZIGZAG), 4, 48, cu, **ZIGZAG)
+
+
+def test_kimi_delta_attention_cp_zigzag():
+    compare_cp(lambda ax: KimiDeltaAttention(HIDDEN, 2, 16, cp_axis=ax, rngs=nnx.Rngs(0),
+                                             **ZIGZAG), 4, 48, [0, 5, 30, 31, 48], **ZIGZAG)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 30, 31, 48]])
+def test_causal_self_attention_cp_zigzag(cu):
+    """The blockwise softmax on the zigzag layout's positions."""
+    compare_cp(lambda ax: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, cp_axis=ax,
+                                              block_size=5, rngs=nnx.Rngs(0), **ZIGZAG),
+               4, 48, cu, **ZIGZAG)
+
+
+def test_causal_self_attention_cp_zigzag_pieces(monkeypatch):
+    """One unpacked sequence with a fused implementation (cuDNN on a GPU; here the dense
+    pieces): each device's two pieces attend over the early and late pieces gathered in
+    sequence order."""
+    from jaxcp.attention import prefix, select
+    calls = []
+    gathered = prefix.gathered_causal_attention
+    monkeypatch.setattr(select, "fused_attention_impl", lambda q: "xla")
+    monkeypatch.setattr(attention, "gathered_causal_attention",
+                        lambda *a, **kw: calls.append(kw) or gathered(*a, **kw))
+    compare_cp(lambda ax: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, cp_axis=ax,
+                                              rngs=nnx.Rngs(0), **ZIGZAG), 4, 48, None,
+               **ZIGZAG)
+    assert calls and all(kw["cp_layout"] == "zigzag" for kw in calls)
+
+
+def test_hybrid_lm_cp_zigzag():
+    compare_cp(lambda ax: LM(VOCAB, HIDDEN, "gdn,kda,attn", 2, 16, 64, cp_axis=ax,
+                             rngs=nnx.Rngs(0), **ZIGZAG), 4, 48, [0, 5, 30, 31, 48],
+               tokens=True, **ZIGZAG)
+
+
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_zigzag_balances_causal_attention(W):
+    """Query-key pairs of a causal attention over one sequence, per device: zigzag within 5 %
+    of the mean on every device (contiguous: the last device does 2W - 1 times the first)."""
+    T_local = 64
+    work = lambda layout, r: sum(int(p.start) * p.length + p.length * (p.length + 1) // 2
+                                 for p in split_pieces(layout, r, W, T_local))
+    total = W * T_local * (W * T_local + 1) // 2
+    zigzag = [work("zigzag", r) for r in range(W)]
+    contiguous = [work("contiguous", r) for r in range(W)]
+    assert sum(zigzag) == sum(contiguous) == total
+    assert max(abs(w - total / W) for w in zigzag) <= 0.05 * total / W
+    assert contiguous[-1] > 1.4 * total / W

@@ -1,5 +1,5 @@
 """Causal attention of one device's queries over its own keys and all earlier devices' keys,
-as two flash-attention pieces merged by their log-sum-exp (one unpacked sequence under CP).
+as flash-attention pieces merged by their log-sum-exp (one unpacked sequence under CP).
 
 Device r holds tokens [r T, (r + 1) T). Its queries see
 
@@ -16,7 +16,7 @@ products of the whole sequence (the last device most), with no [T, W T] array.
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
@@ -26,38 +26,46 @@ from jaxcp.attention.pieces import AttentionPieces
 from jaxcp.vma import match_cotangent
 
 
-def _merge(o_a, lse_a, o_b, lse_b, has_prefix):
-    lse_b = jnp.where(has_prefix, lse_b, -jnp.inf)
-    lse = jnp.logaddexp(lse_a, lse_b)                                   # [B, N, T]
-    weight = lambda l: jnp.exp(l - lse).transpose(0, 2, 1)[..., None]   # [B, T, N, 1]
-    o_b = jnp.where(has_prefix, weight(lse_b) * o_b.astype(jnp.float32), 0.0)
-    return (weight(lse_a) * o_a.astype(jnp.float32) + o_b).astype(o_a.dtype), lse
+def _merge(parts):
+    """parts: (o [B, T, N, D], lse [B, N, T], present) of each piece -> the whole attention's
+    o and lse; a piece that is not present (a traced bool) weighs nothing."""
+    lses = [jnp.where(present, lse, -jnp.inf) for _, lse, present in parts]
+    lse = reduce(jnp.logaddexp, lses)                             # [B, N, T]
+    weight = lambda l: jnp.exp(l - lse).transpose(0, 2, 1)[..., None]       # [B, T, N, 1]
+    o = sum(jnp.where(present, weight(l) * o_p.astype(jnp.float32), 0.0)
+            for (o_p, _, present), l in zip(parts, lses))
+    return o.astype(parts[0][0].dtype), lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 7))
-def _prefix_causal(pieces: AttentionPieces, q, k, v, k_all, v_all, prefix, scale):
-    return _prefix_causal_fwd(pieces, q, k, v, k_all, v_all, prefix, scale)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _prefix_causal(pieces: AttentionPieces, q, k, v, prefixes, scale):
+    return _prefix_causal_fwd(pieces, q, k, v, prefixes, scale)[0]
 
 
-def _prefix_causal_fwd(pieces, q, k, v, k_all, v_all, prefix, scale):
-    # device 0 has no prefix: its prefix piece runs over one key and is weighted out
-    prefix_keys = jnp.maximum(prefix, 1)
-    o_a, lse_a = pieces.forward(q, k, v, None, scale)
-    o_b, lse_b = pieces.forward(q, k_all, v_all, prefix_keys, scale)
-    o, lse = _merge(o_a, lse_a, o_b, lse_b, prefix > 0)
-    return o, (q, k, v, k_all, v_all, prefix, o, lse)
+def _prefix_causal_fwd(pieces, q, k, v, prefixes, scale):
+    # a prefix of no keys runs over one key and is weighted out
+    parts = [(*pieces.forward(q, k, v, None, scale), True)]
+    for k_all, v_all, length in prefixes:
+        parts.append((*pieces.forward(q, k_all, v_all, jnp.maximum(length, 1), scale),
+                      length > 0))
+    o, lse = _merge(parts)
+    return o, (q, k, v, prefixes, o, lse)
 
 
 def _prefix_causal_bwd(pieces, scale, res, do):
-    q, k, v, k_all, v_all, prefix, o, lse = res
-    dq_a, dk, dv = pieces.backward(q, k, v, None, scale, o, lse, do)
-    dq_b, dk_all, dv_all = pieces.backward(q, k_all, v_all, jnp.maximum(prefix, 1), scale, o,
-                                           lse, do)
-    has_prefix = prefix > 0
-    dq = dq_a.astype(jnp.float32) + jnp.where(has_prefix, dq_b.astype(jnp.float32), 0.0)
-    dk_all, dv_all = (jnp.where(has_prefix, x, jnp.zeros((), x.dtype)) for x in (dk_all, dv_all))
-    grads = (dq.astype(q.dtype), dk, dv, dk_all, dv_all)
-    return (*(match_cotangent(g, p) for g, p in zip(grads, (q, k, v, k_all, v_all))), None)
+    q, k, v, prefixes, o, lse = res
+    dq, dk, dv = pieces.backward(q, k, v, None, scale, o, lse, do)
+    dq = dq.astype(jnp.float32)
+    d_prefixes = []
+    for k_all, v_all, length in prefixes:
+        dq_b, dk_all, dv_all = pieces.backward(q, k_all, v_all, jnp.maximum(length, 1), scale,
+                                               o, lse, do)
+        present = length > 0
+        dq = dq + jnp.where(present, dq_b.astype(jnp.float32), 0.0)
+        dk_all, dv_all = (jnp.where(present, x, jnp.zeros((), x.dtype)) for x in (dk_all, dv_all))
+        d_prefixes.append((match_cotangent(dk_all, k_all), match_cotangent(dv_all, v_all), None))
+    grads = (dq.astype(q.dtype), dk, dv)
+    return (*(match_cotangent(g, p) for g, p in zip(grads, (q, k, v))), tuple(d_prefixes))
 
 
 _prefix_causal.defvjp(_prefix_causal_fwd, _prefix_causal_bwd)
@@ -70,19 +78,45 @@ def prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax
     k, v [B, T, G, D] and to keys [0, prefix) of k_all, v_all [B, S, G, D] (int32 prefix,
     0 <= prefix <= S - T; k_all[:, prefix:prefix + T] is k). Returns [B, T, N, D] in q's
     dtype; scale defaults to D^-1/2."""
-    if q.ndim != 4 or k.shape != v.shape or k_all.shape != v_all.shape:
-        raise ValueError(f"q must be [B, T, N, D], k == v and k_all == v_all in shape; got "
-                         f"q {q.shape}, k {k.shape}, v {v.shape}, k_all {k_all.shape}, "
-                         f"v_all {v_all.shape}")
+    return multi_prefix_causal_attention(q, k, v, ((k_all, v_all, prefix),), pieces, scale)
+
+
+def multi_prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, prefixes,
+                                  pieces: AttentionPieces,
+                                  scale: float | None = None) -> jax.Array:
+    """Queries q [B, T, N, D] attend causally to their own keys k, v [B, T, G, D] and to keys
+    [0, length) of each (k_all, v_all, length) of prefixes (k_all, v_all [B, S, G, D], int32
+    length, 0 <= length <= S; the prefixes' keys all come before the queries' own). Returns
+    [B, T, N, D] in q's dtype; scale defaults to D^-1/2."""
+    if q.ndim != 4 or k.shape != v.shape or any(ka.shape != va.shape for ka, va, _ in prefixes):
+        raise ValueError(f"q must be [B, T, N, D], k == v and each k_all == v_all in shape; "
+                         f"got q {q.shape}, k {k.shape}, v {v.shape}, prefixes "
+                         f"{[(ka.shape, va.shape) for ka, va, _ in prefixes]}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _prefix_causal(pieces, q, k, v, k_all, v_all, jnp.asarray(prefix, jnp.int32), scale)
+    prefixes = tuple((ka, va, jnp.asarray(n, jnp.int32)) for ka, va, n in prefixes)
+    return _prefix_causal(pieces, q, k, v, prefixes, scale)
 
 
 def gathered_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str,
-                              pieces: AttentionPieces, scale: float | None = None) -> jax.Array:
-    """Inside shard_map with the sequence split over `axis` (this device's slices q
-    [B, T, N, D], k, v [B, T, G, D] of one unpacked sequence): all-gather k and v over the
-    axis and attend causally to every earlier token of the sequence."""
+                              pieces: AttentionPieces, scale: float | None = None,
+                              cp_layout: str = "contiguous") -> jax.Array:
+    """Inside shard_map with the sequence split over `axis` in cp_layout (``cp.split``; this
+    device's q [B, T, N, D], k, v [B, T, G, D] of one unpacked sequence): all-gather k and v
+    over the axis and attend causally to every earlier token of the sequence."""
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)
-    prefix = lax.axis_index(axis) * q.shape[1]
-    return prefix_causal_attention(q, k, v, gather(k), gather(v), prefix, pieces, scale)
+    T = q.shape[1]
+    if cp_layout == "contiguous":
+        prefix = lax.axis_index(axis) * T
+        return prefix_causal_attention(q, k, v, gather(k), gather(v), prefix, pieces, scale)
+    # zigzag: the early pieces gathered are tokens [0, W P) in order; the late ones, each
+    # sent first to the device mirroring its own, are tokens [W P, 2 W P) in order
+    W, rank, P = lax.axis_size(axis), lax.axis_index(axis), T // 2
+    mirror = lambda x: lax.ppermute(x, axis, [(i, W - 1 - i) for i in range(W)])
+    early_k, early_v = gather(k[:, :P]), gather(v[:, :P])
+    late_k, late_v = gather(mirror(k[:, P:])), gather(mirror(v[:, P:]))
+    o_early = multi_prefix_causal_attention(
+        q[:, :P], k[:, :P], v[:, :P], ((early_k, early_v, rank * P),), pieces, scale)
+    o_late = multi_prefix_causal_attention(
+        q[:, P:], k[:, P:], v[:, P:],
+        ((early_k, early_v, W * P), (late_k, late_v, (W - 1 - rank) * P)), pieces, scale)
+    return jnp.concatenate([o_early, o_late], axis=1)

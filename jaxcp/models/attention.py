@@ -10,6 +10,7 @@ from jaxcp.attention import select
 from jaxcp.attention.blockwise import blockwise_attention
 from jaxcp.attention.prefix import gathered_causal_attention
 from jaxcp.attention.rope import rope
+from jaxcp.cp.split import axis_positions, check_layout
 from jaxcp.layout import sequence_of
 from jaxcp.models.enter import call_with_cp
 
@@ -21,16 +22,18 @@ class CausalSelfAttention(nnx.Module):
     block_size tokens), so memory grows linearly in T; one unpacked sequence on a GPU (bf16 /
     fp16) takes cuDNN's fused kernels instead (``jaxcp.attention.select``).
 
-    With cp_axis (inside shard_map, x is this device's slice of the sequence; outside one, the
-    layer enters shard_map over the current mesh) K and V are all-gathered over the axis and the
-    mask uses global positions, so each device attends from its queries to every earlier key of
+    With cp_axis (inside shard_map, x is this device's tokens of the sequence in cp_layout,
+    ``cp.split``; outside one, the layer enters shard_map over the current mesh) K and V are
+    all-gathered over the axis and the mask uses global positions, so each device attends from its queries to every earlier key of
     the same sequence: for one unpacked sequence on a GPU as two cuDNN pieces merged by their
     log-sum-exp (``jaxcp.attention.prefix``), else blockwise. cu_seqlens: global offsets (B == 1).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float = 10000.0,
-                 cp_axis: str | None = None, block_size: int = 1024, *, rngs: nnx.Rngs):
+                 cp_axis: str | None = None, block_size: int = 1024,
+                 cp_layout: str = "contiguous", *, rngs: nnx.Rngs):
+        check_layout(cp_layout)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         if num_heads % self.num_kv_heads:
@@ -48,6 +51,7 @@ class CausalSelfAttention(nnx.Module):
         self.o_proj = lin(num_heads * self.head_dim, hidden_size)
         self.rope_theta = rope_theta
         self.cp_axis = cp_axis
+        self.cp_layout = cp_layout
         self.block_size = block_size
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
@@ -55,8 +59,8 @@ class CausalSelfAttention(nnx.Module):
 
     def _forward(self, x, cu_seqlens):
         B, T, _ = x.shape
-        start = 0 if self.cp_axis is None else lax.axis_index(self.cp_axis) * T
-        pos = start + jnp.arange(T)
+        pos = (jnp.arange(T, dtype=jnp.int32) if self.cp_axis is None
+               else axis_positions(self.cp_layout, self.cp_axis, T))
         seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
         offset = 0 if cu_seqlens is None else cu_seqlens[seq]
         q = rope(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim), pos - offset,
@@ -69,7 +73,8 @@ class CausalSelfAttention(nnx.Module):
         if fused is not None and self.cp_axis is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
         elif pieces is not None:
-            o = gathered_causal_attention(q, k, v, self.cp_axis, pieces)
+            o = gathered_causal_attention(q, k, v, self.cp_axis, pieces,
+                                          cp_layout=self.cp_layout)
         else:
             k_pos, k_seq = pos, seq
             if self.cp_axis is not None:

@@ -10,9 +10,9 @@ GDN:  g = -exp(A_log) * softplus(W_a x + dt_bias)                 [B, T, HV]
 KDA:  g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)           [B, T, HV, K]
       (safe_gate: g = lower_bound * sigmoid(exp(A_log) (W_f2 W_f1 x + dt_bias)))
       output gate: sigmoid(W_g2 W_g1 x + b_g2)
-With cp_axis, inside a jax.shard_map with that axis manual x is this device's slice of the
-sequence (the short convolutions fetch their halo, the delta rule merges state maps across
-devices); outside one, under jax.set_mesh, the layer enters shard_map itself (models.enter).
+With cp_axis, inside a jax.shard_map with that axis manual x is this device's tokens of the
+sequence in cp_layout ("contiguous" or "zigzag", ``jaxcp.cp.split``; the short convolutions
+fetch their halo, the delta rule merges state maps across devices); outside one, under jax.set_mesh, the layer enters shard_map itself (models.enter).
 cu_seqlens (global offsets, B == 1) packs sequences.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxcp.cp.split import check_layout
 from jaxcp.models.conv import ShortConvolution
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.norm import RMSNorm, RMSNormGated
@@ -46,7 +47,8 @@ class _DeltaRuleLayer(nnx.Module):
 
     def __init__(self, hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
                  conv_size, allow_neg_eigval, norm_eps, cp_axis, backend, gate_activation,
-                 *, rngs):
+                 cp_layout, *, rngs):
+        check_layout(cp_layout)
         self.num_heads = num_heads
         self.num_v_heads = num_v_heads or num_heads
         if self.num_v_heads % num_heads:
@@ -62,13 +64,15 @@ class _DeltaRuleLayer(nnx.Module):
         self.b_proj = _linear(hidden_size, self.num_v_heads, rngs)
         self.use_short_conv = use_short_conv
         if use_short_conv:
-            conv = lambda n: ShortConvolution(n, conv_size, "silu", cp_axis, rngs=rngs)
+            conv = lambda n: ShortConvolution(n, conv_size, "silu", cp_axis, cp_layout,
+                                              rngs=rngs)
             self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(key_dim), conv(key_dim), conv(value_dim)
         self.o_norm = (RMSNormGated(self.head_v_dim, norm_eps, gate_activation)
                        if gate_activation else RMSNorm(self.head_v_dim, norm_eps))
         self.o_proj = _linear(value_dim, hidden_size, rngs)
         self.allow_neg_eigval = allow_neg_eigval
         self.cp_axis = cp_axis
+        self.cp_layout = cp_layout
         self.backend = backend
 
     def _qkv_beta(self, x, cu_seqlens):
@@ -90,7 +94,8 @@ class _DeltaRuleLayer(nnx.Module):
     def _finish(self, op, x, q, k, v, g, beta, gate, cu_seqlens, **gate_kw):
         B, T, _ = x.shape
         o, _ = op(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-                  cp_axis=self.cp_axis, backend=self.backend, **gate_kw)
+                  cp_axis=self.cp_axis, cp_layout=self.cp_layout, backend=self.backend,
+                  **gate_kw)
         if gate is None:
             o = self.o_norm(o)
         else:
@@ -105,10 +110,10 @@ class GatedDeltaNet(_DeltaRuleLayer):
                  num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,
                  use_short_conv: bool = True, conv_size: int = 4, allow_neg_eigval: bool = False,
                  norm_eps: float = 1e-5, cp_axis: str | None = None, backend: str | None = None,
-                 *, rngs: nnx.Rngs):
+                 cp_layout: str = "contiguous", *, rngs: nnx.Rngs):
         super().__init__(hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
                          conv_size, allow_neg_eigval, norm_eps, cp_axis, backend,
-                         "swish" if use_gate else None, rngs=rngs)
+                         "swish" if use_gate else None, cp_layout, rngs=rngs)
         self.a_proj = _linear(hidden_size, self.num_v_heads, rngs)
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.num_v_heads,),
                                                           jnp.float32, 1e-4, 16.0)))
@@ -135,10 +140,10 @@ class KimiDeltaAttention(_DeltaRuleLayer):
                  use_short_conv: bool = True, conv_size: int = 4, allow_neg_eigval: bool = False,
                  safe_gate: bool = False, lower_bound: float | None = None,
                  norm_eps: float = 1e-5, cp_axis: str | None = None, backend: str | None = None,
-                 *, rngs: nnx.Rngs):
+                 cp_layout: str = "contiguous", *, rngs: nnx.Rngs):
         super().__init__(hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
                          conv_size, allow_neg_eigval, norm_eps, cp_axis, backend, "sigmoid",
-                         rngs=rngs)
+                         cp_layout, rngs=rngs)
         if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
             raise ValueError(f"safe_gate needs lower_bound in [-5, 0), got {lower_bound!r}")
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim

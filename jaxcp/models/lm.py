@@ -55,19 +55,20 @@ class Block(nnx.Module):
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int,
                  intermediate_size: int, cp_axis: str | None, backend: str | None,
                  attn_block_size: int, remat_mixer: bool = False,
-                 mlp_block_tokens: int | None = None, *, rngs: nnx.Rngs):
+                 mlp_block_tokens: int | None = None, cp_layout: str = "contiguous", *,
+                 rngs: nnx.Rngs):
         self.remat_mixer = remat_mixer
         self.mixer_norm = RMSNorm(hidden_size)
         if kind == "gdn":
             self.mixer = GatedDeltaNet(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
-                                       backend=backend, rngs=rngs)
+                                       backend=backend, cp_layout=cp_layout, rngs=rngs)
         elif kind == "kda":
             self.mixer = KimiDeltaAttention(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
-                                            backend=backend, rngs=rngs)
+                                            backend=backend, cp_layout=cp_layout, rngs=rngs)
         else:
             self.mixer = CausalSelfAttention(hidden_size, num_heads, head_dim=head_dim,
                                              cp_axis=cp_axis, block_size=attn_block_size,
-                                             rngs=rngs)
+                                             cp_layout=cp_layout, rngs=rngs)
         self.mlp_norm = RMSNorm(hidden_size)
         self.mlp = SwiGLU(hidden_size, intermediate_size, mlp_block_tokens, rngs=rngs)
 
@@ -86,13 +87,16 @@ class LM(nnx.Module):
     backward recomputes instead of keeping (``models.remat``, keeping nothing inside):
     "none", "block" (each block keeps only its input) or "mixer" (each mixer keeps only its
     input; the MLPs keep theirs). mlp_block_tokens: the MLPs work on blocks of this many
-    tokens one at a time (``SwiGLU``); None: all tokens at once."""
+    tokens one at a time (``SwiGLU``); None: all tokens at once. cp_layout: how the sequence
+    is split over cp_axis (``jaxcp.cp.split``): tokens come in that layout's order, which the
+    caller makes once per batch (``jaxcp.to_layout``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
                  head_dim: int, intermediate_size: int | None = None,
                  cp_axis: str | None = None, backend: str | None = None,
                  attn_block_size: int = 1024, remat: str = "none",
-                 mlp_block_tokens: int | None = None, *, rngs: nnx.Rngs):
+                 mlp_block_tokens: int | None = None, cp_layout: str = "contiguous", *,
+                 rngs: nnx.Rngs):
         if remat not in REMAT:
             raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
         self.remat = remat
@@ -104,7 +108,7 @@ class LM(nnx.Module):
         self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
                                       intermediate_size or 4 * hidden_size, cp_axis, backend,
                                       attn_block_size, remat == "mixer", mlp_block_tokens,
-                                      rngs=rngs)
+                                      cp_layout, rngs=rngs)
                                 for kind in kinds])
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)

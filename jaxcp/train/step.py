@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcp.cp.split import to_layout
 from jaxcp.train.cluster import global_batch
 from jaxcp.train.loss import masked_token_sums
 from jaxcp.train.mqar import Batch
@@ -72,10 +73,14 @@ def make_train_step(graph, mesh: Mesh, tx: optax.GradientTransformation,
     return step
 
 
-def shard_batch(batch: Batch, mesh: Mesh) -> Batch:
+def shard_batch(batch: Batch, mesh: Mesh, cp_layout: str = "contiguous") -> Batch:
     """Place a batch, the same on every process, with its batch axis over "data" and its
-    sequence over "seq"; each process transfers only the shards its devices hold."""
-    return global_batch(Batch(*(np.asarray(x) for x in batch)), mesh, P(*AXES))
+    sequence over "seq" in cp_layout (``jaxcp.cp.split``: the tokens permuted here, once,
+    on the host; the loss sums over tokens in any order); each process transfers only the
+    shards its devices hold."""
+    world = mesh.shape["seq"]
+    laid = Batch(*(to_layout(np.asarray(x), cp_layout, world) for x in batch))
+    return global_batch(laid, mesh, P(*AXES))
 
 
 def replicate(tree, mesh: Mesh):
