@@ -1,6 +1,7 @@
 """Records of scripts/train.py runs, from their run directories, and their table.
 
     python scripts/report_train.py runs/gpu/*/ --json docs/benchmarks/train.json
+    python scripts/report_train.py runs/more/*/ --json docs/benchmarks/train.json --keep
     python scripts/report_train.py runs/cpu/*/ --out /tmp/train.md
 
 --json writes one record per run directory (``jaxcp.bench.train``: the run's settings,
@@ -29,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="records file, its .md written beside it "
                                    "(default without --out: docs/benchmarks/train.json)")
     ap.add_argument("--out", help="write the table alone here, as markdown")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the records already in --json (but those of the same run names), "
+                         "before the new ones")
     args = ap.parse_args(argv)
     json_path = args.json or (None if args.out else "docs/benchmarks/train.json")
     try:
@@ -38,6 +42,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
     written = []
+    if json_path and args.keep and os.path.exists(json_path):
+        names = {r["run"] for r in records}
+        with open(json_path) as f:
+            records = [r for r in json.load(f) if r["run"] not in names] + records
     if json_path:
         _write(json_path, json.dumps(records, indent=1))
         written += [json_path] + docs.write(json_path)

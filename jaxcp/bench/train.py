@@ -14,7 +14,7 @@ import os
 
 # (record field, table column, digits of a number or None for text)
 FIELDS = (("run", "run", None), ("result", "result", None), ("mesh", "mesh", None),
-          ("layers", "layers", None), ("seq_len", "seq len", None),
+          ("layers", "layers", None), ("layout", "layout", None), ("seq_len", "seq len", None),
           ("batch", "global batch", None), ("dtype", "dtype", None),
           ("backend", "backend", None), ("remat", "remat", None), ("steps", "steps", None),
           ("loss", "loss", 4),
@@ -78,7 +78,9 @@ def record(run: dict) -> dict:
         per_device = res["tokens_per_s"] / n
     backend = cfg.get("backend", "?")
     env = " ".join(f"{k}={v}" for k, v in cfg.get("env", {}).items())
-    out.update(mesh=f"data={data},seq={seq}", layers=args["layers"], seq_len=args["seq_len"],
+    out.update(mesh=f"data={data},seq={seq}", layers=args["layers"],
+               layout=args.get("layout", "contiguous") if seq > 1 else None,
+               seq_len=args["seq_len"],
                batch=args["batch"], dtype=args["dtype"],
                backend=backend if args["backend"] else f"{backend} (default)",
                remat=args.get("remat"), mfu=res.get("mfu"),
