@@ -331,7 +331,7 @@ def _train(args, ap, argv, env, cluster) -> int:
     record = dict(step=start, loss=math.nan, eval_accuracy=None)
     all_times, recent = [], []
     t_start = time.perf_counter()
-    done = start
+    done, state_at_done = start, None
     say(f"compiling the train step ({len(devices)} {devices[0].platform} devices, "
         f"{tokens_per_step:,} tokens a step)...")
     batch = place_batch(batch_at(jax.random.fold_in(base, start + 1)))
@@ -345,7 +345,6 @@ def _train(args, ap, argv, env, cluster) -> int:
             batch = jax.block_until_ready(batch)
             t0 = time.perf_counter()
             params, opt_state, loss, _ = jax.block_until_ready(compiled(params, opt_state, batch))
-            done = step
             loss = float(local_value(loss))
             if not math.isfinite(loss):
                 if main_process:
@@ -373,10 +372,11 @@ def _train(args, ap, argv, env, cluster) -> int:
             if args.ckpt_every > 0 and every(args.ckpt_every, step):
                 ckpt.save(step, args=ocp.args.StandardSave({"params": params,
                                                             "opt_state": opt_state}))
+            done, state_at_done = step, {"params": params, "opt_state": opt_state}
     except KeyboardInterrupt:
+        # the last step whose records are written; a later one is run again on --resume
         if done > start and ckpt.latest_step() != done:
-            ckpt.save(done, args=ocp.args.StandardSave({"params": params,
-                                                        "opt_state": opt_state}), force=True)
+            ckpt.save(done, args=ocp.args.StandardSave(state_at_done), force=True)
         ckpt.wait_until_finished()
         last = ckpt.latest_step()
         saved = (f"checkpoint at step {last} in {run_dir}/checkpoints (--resume continues)"

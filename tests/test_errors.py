@@ -123,3 +123,25 @@ def test_cp_cu_seqlens_end_is_global_length(gdn_args):
     with pytest.raises(ValueError, match="total length 32"):
         _in_shard_map(gdn_args, 2, cu_seqlens=jnp.asarray([0, 16], jnp.int32))
 
+
+
+def test_cp_layout_errors():
+    """An unknown layout, zigzag with an odd T per device, and relay (contiguous only)."""
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 4 * 6, 1, 1, 16, 16)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
+
+    def run(T, **kw):
+        body = lambda q, k, v, g, beta: jaxcp.chunk_gated_delta_rule(
+            q, k, v, g, beta, cp_axis="seq", **kw)[0]
+        cut = lambda x: x[:, :4 * T]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(None, "seq"),) * 5,
+                             out_specs=P(None, "seq"))(*map(cut, (q, k, v, g, beta)))
+
+    with pytest.raises(ValueError, match="cp_layout must be one of"):
+        run(6, cp_layout="ring")
+    with pytest.raises(ValueError, match="even number of tokens per device"):
+        run(5, cp_layout="zigzag")
+    with pytest.raises(ValueError, match="cp_strategy='relay'"):
+        run(6, cp_layout="zigzag", cp_strategy="relay")

@@ -1,7 +1,10 @@
 """The training step: CP == no CP on a (2, 2) mesh in float32 and a (1, 4) mesh in bfloat16;
 MQAR data; the train script."""
+import json
+import signal
 import subprocess
 import sys
+import time
 
 import chex
 import numpy as np
@@ -131,13 +134,66 @@ def test_train_script_stops_on_a_non_finite_loss(tmp_path):
     (["--eval-every", "-1"], "--eval-every"),
     (["--backend", "triton"], "--backend"),
     (["--data", "/nonexistent/file.txt"], "--data"),
+    (["--head-dim", "48"], "head dim K = 48"),
+    (["--layout", "zigzag", "--seq-len", "34", "--mesh", "data=1,seq=2"], "--layout zigzag"),
+    (["--mlp-block", "-1"], "--mlp-block"),
+    (["--resume", "--overwrite"], "--resume and --overwrite"),
 ])
-def test_train_script_bad_flags(args, message):
-    out = run_train(*args)
+def test_train_script_bad_flags(args, message, tmp_path):
+    out = run_train(*args, "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not (tmp_path / "run").exists(), "a refused run writes nothing"
+
+
+def test_train_script_keeps_other_runs(tmp_path):
+    """A run dir holding another run is refused (one line, exit 2) unless --resume continues
+    it or --overwrite clears it; --resume on an empty dir fails before writing anything;
+    the first lines say that the step compiles and what it needs."""
+    run_dir = str(tmp_path / "run")
+    first = run_train("--steps", "2", "--run-dir", run_dir)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stderr.startswith("compiling the train step")
+    assert "GiB per device" in first.stderr.splitlines()[1]
+    again = run_train("--steps", "2", "--run-dir", run_dir)
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and len(lines) == 1 and "--overwrite" in lines[0]
+    cleared = run_train("--steps", "3", "--eval-every", "1", "--run-dir", run_dir, "--overwrite")
+    assert cleared.returncode == 0, cleared.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == [1, 2, 3]
+    empty = run_train("--resume", "--run-dir", str(tmp_path / "empty"))
+    assert empty.returncode == 2 and not (tmp_path / "empty").exists()
+
+
+def test_train_script_saves_on_ctrl_c_and_resumes_without_repeats(tmp_path):
+    """SIGINT mid-run: a checkpoint of the last finished step, one line, exit 130; --resume
+    says where it starts and metrics.jsonl holds every step once."""
+    run_dir = tmp_path / "run"
+    args = ["--steps", "100000", "--eval-every", "1", "--ckpt-every", "0",
+            "--run-dir", str(run_dir)]
+    proc = subprocess.Popen([sys.executable, "scripts/train.py", *TINY, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step ") and "--resume" in last, err[-2000:]
+    step = int(last.split()[3].rstrip(":"))
+    assert f"checkpoint at step {step}" in last
+    resumed = run_train("--steps", str(step + 2), "--eval-every", "1", "--ckpt-every", "0",
+                        "--run-dir", str(run_dir), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.stderr.splitlines()[0] == f"resuming from step {step}"
+    steps = [json.loads(line)["step"] for line in open(metrics)]
+    assert steps == list(range(1, step + 3))
 
 
 def test_remat_keeps_loss_and_gradients():
