@@ -13,14 +13,19 @@ shards of a batch, built from the same per-step seed, so N processes train exact
 process with all the devices would. Process 0 alone prints and writes the files below;
 checkpoints are written and restored by all.
 
-On a machine without GPUs it creates as many fake CPU devices as the mesh needs. Writes into
+On a machine without GPUs it creates as many fake CPU devices as the mesh needs. It says when
+it compiles the step and what the compiled step needs per device. A --run-dir that holds
+another run is refused (exit 2) unless --resume continues it or --overwrite clears it;
+Ctrl-C saves a checkpoint of the last finished step and exits with 130. Writes into
 --run-dir: config.json at the start (the command, the parsed flags, the GDN/KDA backend that
 runs, devices and versions), metrics.jsonl (a record at every eval step and the last step), a
 loss/accuracy plot (curves.png), orbax checkpoints and summary.json. The last line printed is
 summary.json's object: step, loss, eval_accuracy (null without eval), step_ms (median wall time
 of the train steps after the first, which compiles), tokens_per_s and tokens_per_s_per_device
-(global tokens of a step / step_ms), peak_mem_gib (peak bytes in use, max over the mesh's
-devices, GiB; null where the backend does not report it), elapsed_s.
+(global tokens of a step / step_ms), mfu (model FLOPs utilisation against the device's
+dense bf16 peak, ``jaxcp.train.flops``; null on CPUs), flops_per_token (the step's model
+FLOPs per token), peak_mem_gib (peak bytes in use, max over the mesh's devices, GiB; null
+where the backend does not report it), elapsed_s.
 """
 from __future__ import annotations
 

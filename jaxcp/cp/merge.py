@@ -1,12 +1,13 @@
-"""Composing the devices' affine state maps after the all-gather.
+"""Composing the pieces' affine state maps after the all-gather.
 
-Device j maps the state entering its tokens to the state leaving them:
-S_out_j = M_j S_in_j + E_j, with M [..., K, K] and E [..., K, V]. Since S_in_{j+1} = S_out_j,
-device r's entry state is the prefix composition of the maps of devices 0..r-1 applied to
-zero (device 0 always starts a sequence). The backward mirrors it: the cotangent of device
-r's exit state is dS_in_{r+1} = dE_{r+1} + M_{r+1}^T dS_out_{r+1}, a suffix composition of
-the later devices' (dE_j, M_j^T), where dE_j is the cotangent of device j's entry state
-from its own outputs.
+Piece j of the sequence (a device's tokens, or one of its two zigzag pieces: ``cp.split``)
+maps the state entering its tokens to the state leaving them: S_out_j = M_j S_in_j + E_j,
+with M [..., K, K] and E [..., K, V]. Since S_in_{j+1} = S_out_j, piece r's entry state is
+the prefix composition of the maps of pieces 0..r-1 applied to zero (piece 0 always starts
+a sequence). The backward mirrors it: the cotangent of piece r's exit state is
+dS_in_{r+1} = dE_{r+1} + M_{r+1}^T dS_out_{r+1}, a suffix composition of the later pieces'
+(dE_j, M_j^T), where dE_j is the cotangent of piece j's entry state from its own outputs.
+The arrays are [n_pieces, ...] in sequence order; `rank` is the piece's place in it.
 """
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jaxcp.xla.intra import einsum
 
 
 def merge_prefix(ext_all: jax.Array, m_all: jax.Array, rank: jax.Array) -> jax.Array:
-    """ext_all [W, ..., K, V], m_all [W, ..., K, K] -> the state entering device `rank`."""
+    """ext_all [W, ..., K, V], m_all [W, ..., K, K] -> the state entering piece `rank`."""
     state = jnp.zeros_like(ext_all[0])
     for j in range(ext_all.shape[0]):
         composed = einsum("...ij,...jv->...iv", m_all[j], state) + ext_all[j]
@@ -24,8 +25,8 @@ def merge_prefix(ext_all: jax.Array, m_all: jax.Array, rank: jax.Array) -> jax.A
 
 
 def merge_suffix(d_ext_all: jax.Array, m_all: jax.Array, rank: jax.Array) -> jax.Array:
-    """d_ext_all [W, ..., K, V], m_all [W, ..., K, K] -> cotangent of device `rank`'s exit
-    state from the devices after it."""
+    """d_ext_all [W, ..., K, V], m_all [W, ..., K, K] -> cotangent of piece `rank`'s exit
+    state from the pieces after it."""
     d = jnp.zeros_like(d_ext_all[0])
     for j in reversed(range(d_ext_all.shape[0])):
         composed = einsum("...ji,...jv->...iv", m_all[j], d) + d_ext_all[j]
