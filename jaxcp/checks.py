@@ -1,9 +1,18 @@
-"""Argument checks of the public ops: every bad input gets a ValueError/TypeError naming it."""
+"""Argument checks of the public ops: every bad input gets a ValueError/TypeError naming it.
+
+Values known at trace time are checked at once. Traced values (cu_seqlens under jit) are
+checked only inside ``check_traced_inputs()``, with ``jax.experimental.checkify``: the
+caller wraps its function in ``checkify.checkify`` and calls ``err.throw()``.
+"""
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from jaxcp.cp.split import check_layout
 from jaxcp.gate import Gate
@@ -15,6 +24,41 @@ CHUNK_SIZES = (16, 32, 64, 128)
 CP_STRATEGIES = ("allgather", "all_to_all", "relay")
 BACKENDS = (None,) + STAGE_BACKENDS
 OPERAND_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+_TRACED = threading.local()
+
+
+@contextlib.contextmanager
+def check_traced_inputs():
+    """Ops traced inside this context also check their traced cu_seqlens (starts at 0, ends
+    at the total length, strictly increasing) with checkify.check: run the jitted function
+    through ``checkify.checkify`` and ``err.throw()`` raises on a bad value::
+
+        with jaxcp.check_traced_inputs():
+            err, out = jax.jit(checkify.checkify(f))(*args)
+        err.throw()
+    """
+    before = getattr(_TRACED, "on", False)
+    _TRACED.on = True
+    try:
+        yield
+    finally:
+        _TRACED.on = before
+
+
+def gpu_present() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _check_traced_cu_seqlens(cu_seqlens, total: int) -> None:
+    cu = cu_seqlens.astype(jnp.int32)
+    checkify.check((cu[0] == 0) & (cu[-1] == total),
+                   f"cu_seqlens must start at 0 and end at the total length {total}, got "
+                   "{cu}", cu=cu)
+    checkify.check(jnp.all(cu[1:] > cu[:-1]),
+                   "cu_seqlens must be strictly increasing (no empty sequences), got {cu}",
+                   cu=cu)
 
 
 def _check_array(name: str, x, dims: str) -> None:
@@ -77,6 +121,10 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "pallas" and not gpu_present():
+        raise ValueError(f"backend='pallas' runs the Pallas kernels on a GPU, and JAX's "
+                         f"backend here is {jax.default_backend()!r}: use backend='interpret' "
+                         f"(the same kernels, interpreted: slow) or 'xla'")
     if cp_strategy not in CP_STRATEGIES:
         raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
 
@@ -110,6 +158,8 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
                                  f"[{values[0]}, ..., {values[-1]}]")
             if np.any(np.diff(values) <= 0):
                 raise ValueError("cu_seqlens must be strictly increasing (no empty sequences)")
+        elif getattr(_TRACED, "on", False):
+            _check_traced_cu_seqlens(cu_seqlens, total)
 
     if initial_state is not None:
         if not hasattr(initial_state, "shape") or not jnp.issubdtype(initial_state.dtype, jnp.floating):

@@ -6,6 +6,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxcp
+from flax import nnx
+from jaxcp.models import LM, CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention, ShortConvolution
 from helpers import make_inputs
 
 
@@ -145,3 +147,52 @@ def test_cp_layout_errors():
         run(5, cp_layout="zigzag")
     with pytest.raises(ValueError, match="cp_strategy='relay'"):
         run(6, cp_layout="zigzag", cp_strategy="relay")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GatedDeltaNet(32, 2, 16, rngs=nnx.Rngs(0)),
+    lambda: KimiDeltaAttention(32, 2, 16, rngs=nnx.Rngs(0)),
+    lambda: CausalSelfAttention(32, 2, rngs=nnx.Rngs(0)),
+    lambda: ShortConvolution(32, rngs=nnx.Rngs(0)),
+], ids=["gdn", "kda", "attn", "conv"])
+@pytest.mark.parametrize("x,exc,match", [
+    (jnp.zeros((1, 8, 24)), ValueError, "hidden_size = 32"),
+    (jnp.zeros((8, 32)), ValueError, r"\[B, T, hidden_size"),
+    (jnp.zeros((1, 8, 32), jnp.int32), TypeError, "float array"),
+    ([[0.0] * 32], TypeError, "jax array"),
+], ids=["hidden", "rank", "int", "list"])
+def test_layers_check_x(make, x, exc, match):
+    layer = make()
+    with pytest.raises(exc, match=f"{type(layer).__name__}: x .*{match}"):
+        layer(x)
+
+
+def test_lm_checks_tokens():
+    lm = LM(16, 32, "gdn", 2, 16, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="tokens must be an integer array"):
+        lm(jnp.zeros((1, 8)))
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
+        lm(jnp.zeros((8,), jnp.int32))
+
+
+def test_pallas_backend_needs_a_gpu(gdn_args):
+    with pytest.raises(ValueError, match="backend='interpret'"):
+        call(gdn_args, backend="pallas")
+
+
+def test_traced_cu_seqlens_checked_on_request(gdn_args):
+    """Traced offsets are not checked by default (no host round trip); inside
+    check_traced_inputs, checkify reports decreasing offsets and a wrong total."""
+    from jax.experimental import checkify
+    args = make_inputs("gdn", 1, 32, 2, 4, 16, 16)[:5]
+    f = lambda cu: call(args, cu_seqlens=cu)[0]
+    good, decreasing, short = (jnp.asarray(c, jnp.int32) for c in
+                               ([0, 5, 32], [0, 20, 5, 32], [0, 5, 30]))
+    assert bool(jnp.isfinite(jax.jit(f)(decreasing)).all())      # unchecked: garbage
+    with jaxcp.check_traced_inputs():
+        checked = jax.jit(checkify.checkify(f))
+        checked(good)[0].throw()
+        with pytest.raises(Exception, match="strictly increasing"):
+            checked(decreasing)[0].throw()
+        with pytest.raises(Exception, match="end at the total length 32"):
+            checked(short)[0].throw()

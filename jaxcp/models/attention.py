@@ -13,6 +13,7 @@ from jaxcp.attention.rope import rope
 from jaxcp.cp.split import axis_positions, check_layout
 from jaxcp.layout import sequence_of
 from jaxcp.models.enter import call_with_cp
+from jaxcp.models.inputs import check_hidden_states
 
 
 class CausalSelfAttention(nnx.Module):
@@ -50,11 +51,13 @@ class CausalSelfAttention(nnx.Module):
         self.v_proj = lin(hidden_size, self.num_kv_heads * self.head_dim)
         self.o_proj = lin(num_heads * self.head_dim, hidden_size)
         self.rope_theta = rope_theta
+        self.hidden_size = hidden_size
         self.cp_axis = cp_axis
         self.cp_layout = cp_layout
         self.block_size = block_size
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        check_hidden_states(x, self.hidden_size, "CausalSelfAttention")
         return call_with_cp(self, self.cp_axis, x, cu_seqlens, CausalSelfAttention._forward)
 
     def _forward(self, x, cu_seqlens):

@@ -8,6 +8,7 @@ from flax import nnx
 from jaxcp.cp.halo import previous_tokens
 from jaxcp.cp.split import Piece, axis_pieces, check_layout
 from jaxcp.layout import sequence_of
+from jaxcp.models.inputs import check_hidden_states
 
 
 class ShortConvolution(nnx.Module):
@@ -31,6 +32,7 @@ class ShortConvolution(nnx.Module):
         bound = conv_size ** -0.5          # PyTorch's Conv1d default for groups == channels
         self.weight = nnx.Param(jax.random.uniform(rngs.params(), (conv_size, hidden_size),
                                                    jnp.float32, -bound, bound))
+        self.hidden_size = hidden_size
         self.conv_size = conv_size
         self.activation = activation
         self.cp_axis = cp_axis
@@ -38,6 +40,7 @@ class ShortConvolution(nnx.Module):
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
         """x [B, T, hidden] -> [B, T, hidden]; cu_seqlens: global offsets (B == 1)."""
+        check_hidden_states(x, self.hidden_size, "ShortConvolution")
         B, T, _ = x.shape
         W = self.conv_size
         if self.cp_axis is None:

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxcp.cp.split import check_layout
 from jaxcp.models.conv import ShortConvolution
+from jaxcp.models.inputs import check_hidden_states
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.norm import RMSNorm, RMSNormGated
 from jaxcp.ops import chunk_gated_delta_rule, chunk_kda
@@ -71,6 +72,7 @@ class _DeltaRuleLayer(nnx.Module):
                        if gate_activation else RMSNorm(self.head_v_dim, norm_eps))
         self.o_proj = _linear(value_dim, hidden_size, rngs)
         self.allow_neg_eigval = allow_neg_eigval
+        self.hidden_size = hidden_size
         self.cp_axis = cp_axis
         self.cp_layout = cp_layout
         self.backend = backend
@@ -121,6 +123,7 @@ class GatedDeltaNet(_DeltaRuleLayer):
         self.g_proj = _linear(hidden_size, self.num_v_heads * self.head_v_dim, rngs) if use_gate else None
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        check_hidden_states(x, self.hidden_size, "GatedDeltaNet")
         return call_with_cp(self, self.cp_axis, x, cu_seqlens, GatedDeltaNet._forward)
 
     def _forward(self, x, cu_seqlens):
@@ -158,6 +161,7 @@ class KimiDeltaAttention(_DeltaRuleLayer):
         self.lower_bound = lower_bound
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+        check_hidden_states(x, self.hidden_size, "KimiDeltaAttention")
         return call_with_cp(self, self.cp_axis, x, cu_seqlens, KimiDeltaAttention._forward)
 
     def _forward(self, x, cu_seqlens):

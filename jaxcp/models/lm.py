@@ -8,6 +8,7 @@ from flax import nnx
 from jax import lax
 
 from jaxcp.models.attention import CausalSelfAttention
+from jaxcp.models.inputs import check_tokens
 from jaxcp.models.layers import GatedDeltaNet, KimiDeltaAttention
 from jaxcp.models.norm import RMSNorm
 from jaxcp.models.remat import remat_call
@@ -119,6 +120,7 @@ class LM(nnx.Module):
     def features(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
         """tokens [B, T] -> the final norm's output [B, T, hidden], which the head maps to
         logits (a loss over a large vocabulary takes it in blocks: ``jaxcp.train.loss``)."""
+        check_tokens(tokens)
         # nnx.Embed returns float32 whatever its table's dtype: compute in the table's dtype
         # (bf16 when the train step casts the parameters for bf16 compute)
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
