@@ -44,10 +44,6 @@ def check_layout(cp_layout: str, t_local: int | None = None) -> None:
                          f"{t_local}")
 
 
-def pieces_per_device(cp_layout: str) -> int:
-    return 2 if cp_layout == "zigzag" else 1
-
-
 def pieces(cp_layout: str, rank: jax.Array, world: int, t_local: int) -> tuple[Piece, ...]:
     """The pieces of device `rank` (traced) of `world`, in local order."""
     if cp_layout == "contiguous":
