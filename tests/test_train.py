@@ -217,3 +217,22 @@ def test_remat_keeps_loss_and_gradients():
         for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(grads),
                                      jax.tree_util.tree_leaves_with_path(grads_ref)):
             assert_rel(a, b, 1e-5, f"d{jax.tree_util.keystr(path)}, remat={remat}")
+
+
+def test_block_remat_waits_for_the_cotangent():
+    """Each recomputed block starts from an optimization_barrier over its saved input and the
+    cotangent of its output, so that no scheduler can run the blocks' recomputations
+    together (models.remat): one barrier per block in the backward, none without remat."""
+    mesh = mesh_of(1, 2)
+    batch = shard_batch(mqar_batch(jax.random.key(0), 2, 32, VOCAB, 4), mesh)
+
+    def barriers(remat):
+        model = LM(VOCAB, 32, "gdn,attn,gdn", 2, 16, 64, cp_axis="seq", remat=remat,
+                   rngs=nnx.Rngs(0))
+        graph, params = nnx.split(model)
+        loss = make_loss(graph, mesh)
+        text = str(jax.make_jaxpr(jax.grad(lambda p, b: loss(p, b)[0]))(params, batch))
+        return text.count("optimization_barrier")
+
+    assert barriers("none") == 0
+    assert barriers("block") == 3
