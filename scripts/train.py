@@ -77,7 +77,7 @@ def parse_args(argv=None):
     ap.add_argument("--backend", default=None, choices=["xla", "pallas", "interpret"],
                     help="GDN/KDA backend (default: the library's)")
     ap.add_argument("--remat", default="none", choices=["none", "block", "mixer"],
-                    help="recompute in the backward: each block or each mixer (jax.checkpoint)")
+                    help="recompute in the backward, one at a time: each block or each mixer")
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
                     help="how the sequence is split over the seq axis: contiguous, or zigzag "
                          "(2 x seq pieces, device r holds pieces r and 2 seq - 1 - r: causal "
@@ -244,7 +244,10 @@ def _train(args, ap, argv, env, cluster) -> int:
     from jaxcp.train.flops import peak_flops, token_flops
 
     main_process = jax.process_index() == 0
-    say = lambda line: main_process and print(line, file=sys.stderr, flush=True)
+
+    def say(line: str) -> None:
+        if main_process:
+            print(line, file=sys.stderr, flush=True)
 
     if len(jax.devices()) < data * seq:
         ap.error(f"--mesh needs {data * seq} devices, {len(jax.devices())} present")

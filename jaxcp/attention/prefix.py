@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.attention.pieces import AttentionPieces
+from jaxcp.cp.split import gather_in_order
 from jaxcp.vma import match_cotangent
 
 
@@ -103,17 +104,15 @@ def gathered_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: st
     """Inside shard_map with the sequence split over `axis` in cp_layout (``cp.split``; this
     device's q [B, T, N, D], k, v [B, T, G, D] of one unpacked sequence): all-gather k and v
     over the axis and attend causally to every earlier token of the sequence."""
-    gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)
     T = q.shape[1]
+    rank = lax.axis_index(axis)
+    k_runs, v_runs = gather_in_order(k, cp_layout, axis), gather_in_order(v, cp_layout, axis)
     if cp_layout == "contiguous":
-        prefix = lax.axis_index(axis) * T
-        return prefix_causal_attention(q, k, v, gather(k), gather(v), prefix, pieces, scale)
-    # zigzag: the early pieces gathered are tokens [0, W P) in order; the late ones, each
-    # sent first to the device mirroring its own, are tokens [W P, 2 W P) in order
-    W, rank, P = lax.axis_size(axis), lax.axis_index(axis), T // 2
-    mirror = lambda x: lax.ppermute(x, axis, [(i, W - 1 - i) for i in range(W)])
-    early_k, early_v = gather(k[:, :P]), gather(v[:, :P])
-    late_k, late_v = gather(mirror(k[:, P:])), gather(mirror(v[:, P:]))
+        return prefix_causal_attention(q, k, v, k_runs[0], v_runs[0], rank * T, pieces, scale)
+    # zigzag: the early piece r sees early pieces 0..r - 1; the late piece 2W - 1 - r sees
+    # every early piece and the late pieces W..2W - 2 - r
+    W, P = lax.axis_size(axis), T // 2
+    (early_k, late_k), (early_v, late_v) = k_runs, v_runs
     o_early = multi_prefix_causal_attention(
         q[:, :P], k[:, :P], v[:, :P], ((early_k, early_v, rank * P),), pieces, scale)
     o_late = multi_prefix_causal_attention(

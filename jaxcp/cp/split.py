@@ -103,6 +103,19 @@ def from_layout(x, cp_layout: str, world: int, axis: int = 1):
     return x if cp_layout == "contiguous" else x.take(np.argsort(order), axis=axis)
 
 
+def gather_in_order(x: jax.Array, cp_layout: str, axis: str) -> tuple[jax.Array, ...]:
+    """x [B, T_local, ...] of every device, all-gathered over `axis` as runs of consecutive
+    sequence positions: contiguous, one run, the whole sequence; zigzag, the early pieces
+    (tokens [0, W P)) and the late ones (tokens [W P, 2 W P)), each late piece first sent
+    to the device mirroring its own so that the gather lays them in order."""
+    gather = lambda y: lax.all_gather(y, axis, axis=1, tiled=True)
+    if cp_layout == "contiguous":
+        return (gather(x),)
+    W, P = lax.axis_size(axis), x.shape[1] // 2
+    mirror = lax.ppermute(x[:, P:], axis, [(i, W - 1 - i) for i in range(W)])
+    return gather(x[:, :P]), gather(mirror)
+
+
 def next_piece_shift(cp_layout: str, axis: str, tails: tuple) -> tuple:
     """tails: one array per local piece (in local order). Returns, per local piece, the array
     of the piece just before it in the sequence (zeros for piece 0), moved with ppermute."""

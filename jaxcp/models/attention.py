@@ -4,13 +4,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from jaxcp.attention import select
 from jaxcp.attention.blockwise import blockwise_attention
 from jaxcp.attention.prefix import gathered_causal_attention
 from jaxcp.attention.rope import rope
-from jaxcp.cp.split import axis_positions, check_layout
+from jaxcp.cp.split import axis_positions, check_layout, gather_in_order
 from jaxcp.layout import sequence_of
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.inputs import check_hidden_states
@@ -81,8 +80,13 @@ class CausalSelfAttention(nnx.Module):
         else:
             k_pos, k_seq = pos, seq
             if self.cp_axis is not None:
-                gather = lambda a, axis: lax.all_gather(a, self.cp_axis, axis=axis, tiled=True)
-                k, v, k_pos, k_seq = gather(k, 1), gather(v, 1), gather(pos, 0), gather(seq, 0)
+                # the whole sequence in order: each query block's visible keys are one run
+                in_order = lambda a: jnp.concatenate(
+                    gather_in_order(a, self.cp_layout, self.cp_axis), axis=1)
+                k, v = in_order(k), in_order(v)
+                k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+                k_seq = (jnp.zeros_like(k_pos) if cu_seqlens is None
+                         else sequence_of(cu_seqlens, k_pos))
             o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
                                     block_k=self.block_size)
         return self.o_proj(o.reshape(B, T, -1))
