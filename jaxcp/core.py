@@ -11,8 +11,9 @@ A device's tokens are one piece of the sequence, or two under the zigzag layout
 (``cp.split``); every stage runs per piece, and the cross-device step composes the pieces'
 maps in sequence order.
 
-Forward:  intra-chunk terms -> entry state of each piece (CP: local summary (S_ext, M),
-          all-gather, prefix merge; or the relay) -> state recurrence -> output, final states.
+Forward:  intra-chunk terms -> entry state of each piece (CP, ``cp.exchange``: local summary
+          (S_ext, M), all-gather, prefix merge; or the relay) -> state recurrence -> output,
+          final states.
 Backward: recompute the intra-chunk terms (Pallas GDN: only w and u, from the inverses
           the forward kept) and the chunk states from the saved entry states (no state per
           chunk is stored), get the cotangent of each piece's exit state (CP: local
@@ -25,16 +26,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from jaxcp.cp.merge import merge_prefix, merge_suffix
-from jaxcp.cp.split import axis_piece_indices
+from jaxcp.cp.exchange import Exchange, entry_states, exit_cotangents
 from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
-from jaxcp.vma import match_cotangent, vary_like
 from jaxcp.stages import Stages, stages_for
-from jaxcp.xla import ChunkTerms
+from jaxcp.vma import match_cotangent
 
 
 @dataclass(frozen=True)
@@ -67,81 +64,19 @@ class CoreConfig:
         return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
                           self.chunk_size, self.gate_bound, self.unit_qk, self.tokens)
 
-
-def _zero_state(terms: ChunkTerms) -> jax.Array:
-    B, HV, _, K = terms.w.shape[1:]
-    return vary_like(jnp.zeros((B, HV, K, terms.u.shape[-1]), jnp.float32), terms.w)
-
-
-def _shift(axis: str, x: jax.Array, step: int) -> jax.Array:
-    """Send x from device r to device r + step (devices with no sender get zeros)."""
-    W = lax.axis_size(axis)
-    perm = [(i, i + step) for i in range(W) if 0 <= i + step < W]
-    return lax.ppermute(x, axis, perm)
-
-
-def _gather_in_order(cfg: CoreConfig, per_piece: list):
-    """All-gather each local piece's arrays (a pytree per piece) over the axis, in one
-    collective, and stack them in sequence order: [n_pieces, ...] (W pieces contiguous, 2W
-    zigzag, where device r holds pieces r and 2W - 1 - r)."""
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_piece)
-    gathered = lax.all_gather(stacked, cfg.cp_axis)                    # [W, local, ...]
-    if cfg.cp_layout == "contiguous":
-        return jax.tree.map(lambda a: a[:, 0], gathered)
-    return jax.tree.map(lambda a: jnp.concatenate([a[:, 0], a[::-1, 1]]), gathered)
-
-
-def _entry_states(cfg: CoreConfig, terms, layouts, init, pieces):
-    """The state entering each local piece's first chunk, and each piece's transition M
-    (allgather)."""
-    st = cfg.stages
-    zeros = [_zero_state(t) for t in terms]
-    if cfg.cp_axis is None:
-        return zeros, [None] * len(terms)
-    axis = cfg.cp_axis
-    n_pieces = lax.axis_size(axis) * len(pieces)
-    if cfg.cp_strategy == "allgather":
-        # no piece after the last one reads its summary
-        summaries = [st.cp_summary(t, lay, init, unused=p == n_pieces - 1)
-                     for t, lay, p in zip(terms, layouts, pieces)]
-        ext_all, m_all = _gather_in_order(cfg, summaries)
-        return [merge_prefix(ext_all, m_all, p) for p in pieces], [m for _, m in summaries]
-    (t,), (lay,) = terms, layouts
-    relay = lambda _, s_in: _shift(axis, st.state_last(t, lay, init, s_in), +1)
-    return [lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zeros[0])], [None]
-
-
-def _exit_cotangents(cfg: CoreConfig, terms, layouts, do, d_final, ms, pieces):
-    """Cotangent of the state leaving each local piece's last chunk, from the pieces after
-    it."""
-    zeros = [_zero_state(t) for t in terms]
-    if cfg.cp_axis is None:
-        return zeros
-    axis = cfg.cp_axis
-    entry_grad = lambda t, lay, d, d_last, unused=None: cfg.stages.state_bwd(
-        t, lay, d, d_final, d_last, entry_only=True, unused=unused)
-    if cfg.cp_strategy == "allgather":
-        # no piece before the first one reads its entry cotangent
-        d_ext_all, m_all = _gather_in_order(cfg, [
-            (entry_grad(t, lay, d, z, p == 0), m)
-            for t, lay, d, z, p, m in zip(terms, layouts, do, zeros, pieces, ms)])
-        return [merge_suffix(d_ext_all, m_all, p) for p in pieces]
-    (t,), (lay,), (d,) = terms, layouts, do
-    relay = lambda _, d_last: _shift(axis, entry_grad(t, lay, d, d_last), -1)
-    return [lax.fori_loop(0, lax.axis_size(axis) - 1, relay, zeros[0])]
-
-
-def _piece_indices(cfg: CoreConfig) -> tuple:
-    """Each local piece's place in the sequence (``cp.split``)."""
-    return (0,) if cfg.cp_axis is None else axis_piece_indices(cfg.cp_layout, cfg.cp_axis)
+    @property
+    def exchange(self) -> Exchange | None:
+        """The cross-device step (None without CP)."""
+        if self.cp_axis is None:
+            return None
+        return Exchange(self.cp_axis, self.cp_strategy, self.cp_layout)
 
 
 def _forward(cfg, q, k, v, g, beta, init, layouts, for_backward=False):
     st = cfg.stages
-    pieces = _piece_indices(cfg)
     terms = [st.intra(*x, cfg.scale, lay, with_inverse=for_backward)
              for *x, lay in zip(q, k, v, g, beta, layouts)]
-    s_in, ms = _entry_states(cfg, terms, layouts, init, pieces)
+    s_in, ms = entry_states(cfg.exchange, st, terms, layouts, init)
     outs = [st.state_output(t, lay, init, s, cfg.output_final_state)
             for t, lay, s in zip(terms, layouts, s_in)]
     o = tuple(o_p for o_p, _ in outs)
@@ -172,10 +107,9 @@ def _backward(cfg, res, cts):
     q, k, v, g, beta, init, layouts, s_in, ms, kept = res
     do, d_final = cts
     st = cfg.stages
-    pieces = _piece_indices(cfg)
     terms = [st.intra_again(*x, cfg.scale, lay, kp)
              for *x, lay, kp in zip(q, k, v, g, beta, layouts, kept)]
-    d_last = _exit_cotangents(cfg, terms, layouts, do, d_final, ms, pieces)
+    d_last = exit_cotangents(cfg.exchange, st, terms, layouts, do, d_final, ms)
     grads, d_init = [], None
     for i, (t, lay) in enumerate(zip(terms, layouts)):
         h, v_new, _ = st.state_fwd(t, lay, init, s_in[i])

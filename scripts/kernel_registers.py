@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     from jaxcp.pallas import grads_channel, intra_channel
     from jaxcp.pallas.common import Fp32Products
     from jaxcp.pallas.config import ChunkBlocks
-    from jaxcp.xla.intra import ChunkTerms
+    from jaxcp.terms import ChunkTerms
 
     blocks = ChunkBlocks(col_block=args.col_block, num_warps=args.warps,
                          num_stages=args.stages)

@@ -12,7 +12,7 @@ The arrays are [n_pieces, ...] in sequence order; `rank` is the piece's place in
 import jax
 import jax.numpy as jnp
 
-from jaxcp.xla.intra import einsum
+from jaxcp.terms import einsum
 
 
 def merge_prefix(ext_all: jax.Array, m_all: jax.Array, rank: jax.Array) -> jax.Array:

@@ -48,7 +48,7 @@ from jaxcp.pallas.common import (Operands, add_chunk_rows, call, chunk_specs, co
                                  rows_of_chunk, scalar_gates, scale_gram, sum_dots, unit_rows)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import Tile
-from jaxcp.xla.intra import ChunkTerms
+from jaxcp.terms import ChunkTerms
 
 
 _InterRefs = refs_type("_InterRefs", "q k g do attn h v_new x dvn dq dk1 dw dg1",

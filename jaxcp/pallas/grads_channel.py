@@ -56,7 +56,7 @@ from jaxcp.pallas.common import (Fp32Products, Operands, add_chunk_rows, call, c
                                  dots as make_dots, named, refs_type, rows_of_chunk)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import chunk_refs
-from jaxcp.xla.intra import ChunkTerms
+from jaxcp.terms import ChunkTerms
 
 
 def _sum_products(product, xs, ys):

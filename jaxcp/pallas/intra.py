@@ -41,7 +41,7 @@ from jaxcp.pallas.common import (Dots, Operands, ScalarGates, add_chunk_rows, ca
                                  times, unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import Tile
-from jaxcp.xla.intra import ChunkTerms
+from jaxcp.terms import ChunkTerms
 
 
 def _inverse(k: Tile, beta, gates: ScalarGates, dots: Dots, bk: int, rk=None):

@@ -54,7 +54,7 @@ from jaxcp.pallas.common import (Dots, Operands, add_chunk_rows, call, chunk_spe
                                  unit_lower_inverse)
 from jaxcp.pallas.config import ChunkBlocks
 from jaxcp.pallas.tokens import chunk_refs
-from jaxcp.xla.intra import ChunkTerms
+from jaxcp.terms import ChunkTerms
 
 # the token slabs the kernels read in place (``channel.in_place``)
 _TOKENS = ("q", "k", "v", "beta", "q_rows", "k_rows")

@@ -46,7 +46,7 @@ from jaxcp.pallas.common import Fp32Products, Operands, call, dot, named, refs_t
 from jaxcp.pallas.config import StateBlocks
 from jaxcp.pallas.tokens import ChunkRows, has_table, slab_spec
 from jaxcp.vma import vary_like
-from jaxcp.xla.intra import ChunkTerms
+from jaxcp.terms import ChunkTerms
 
 
 def _scale_rows(x, rows_ref, i):

@@ -6,12 +6,12 @@ recurrence fused with it), ``grads`` (the cotangents of the chunk inputs). The P
 kernels in ``jaxcp.pallas`` are twins of these functions with the same signatures.
 """
 from jaxcp.xla.grads import chunk_grads
-from jaxcp.xla.intra import ChunkTerms, chunk_local_cumsum, gated_inner, intra_chunk
+from jaxcp.xla.intra import chunk_local_cumsum, gated_inner, intra_chunk
 from jaxcp.xla.output import chunk_output, state_output
 from jaxcp.xla.state import cp_summary, final_states, state_bwd, state_fwd, state_last
 
 __all__ = [
-    "ChunkTerms", "chunk_grads", "chunk_local_cumsum", "gated_inner", "intra_chunk",
+    "chunk_grads", "chunk_local_cumsum", "gated_inner", "intra_chunk",
     "chunk_output", "state_output", "cp_summary", "final_states", "state_bwd", "state_fwd",
     "state_last",
 ]

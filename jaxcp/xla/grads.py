@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcp.gate import Gate
-from jaxcp.xla.intra import ChunkTerms, einsum, intra_chunk
+from jaxcp.terms import ChunkTerms, einsum
+from jaxcp.xla.intra import intra_chunk
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, terms: ChunkTerms | None, h, v_new, x, dvn,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 
 from jaxcp.layout import ChunkLayout
-from jaxcp.xla.intra import ChunkTerms, einsum
+from jaxcp.terms import ChunkTerms, einsum
 from jaxcp.xla.state import final_states, state_fwd
 
 

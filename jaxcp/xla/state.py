@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxcp.layout import ChunkLayout
 from jaxcp.vma import vary_like
-from jaxcp.xla.intra import ChunkTerms, einsum
+from jaxcp.terms import ChunkTerms, einsum
 
 
 def _reset(state, starts, seq, init):
