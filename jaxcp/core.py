@@ -29,7 +29,6 @@ import jax
 
 from jaxcp.cp.exchange import Exchange, entry_states, exit_cotangents
 from jaxcp.gate import Gate
-from jaxcp.layout import ChunkLayout
 from jaxcp.stages import Stages, stages_for
 from jaxcp.vma import match_cotangent
 

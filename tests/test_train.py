@@ -196,19 +196,22 @@ def test_train_script_saves_on_ctrl_c_and_resumes_without_repeats(tmp_path):
     assert steps == list(range(1, step + 3))
 
 
+def remat_loss(remat: str, layers: str = "gdn,attn"):
+    """The mean loss of an LM under CP on 2 devices, its parameters and a batch."""
+    mesh = mesh_of(1, 2)
+    model = LM(VOCAB, 32, layers, 2, 16, 64, cp_axis="seq", remat=remat, rngs=nnx.Rngs(0))
+    graph, params = nnx.split(model)
+    loss = make_loss(graph, mesh)
+    batch = shard_batch(mqar_batch(jax.random.key(0), 2, 32, VOCAB, 4), mesh)
+    return (lambda p, b: loss(p, b)[0]), replicate(params, mesh), batch
+
+
 def test_remat_keeps_loss_and_gradients():
     """Recomputing each block, or each mixer, in the backward gives the loss and gradients
     of keeping everything, under CP on 2 devices with a GDN and an attention block."""
-    mesh = mesh_of(1, 2)
-    batch = shard_batch(mqar_batch(jax.random.key(0), 2, 32, VOCAB, 4), mesh)
-
     def value_and_grads(remat):
-        model = LM(VOCAB, 32, "gdn,attn", 2, 16, 64, cp_axis="seq", remat=remat,
-                   rngs=nnx.Rngs(0))
-        graph, params = nnx.split(model)
-        loss = make_loss(graph, mesh)
-        return jax.jit(jax.value_and_grad(lambda p, b: loss(p, b)[0]))(
-            replicate(params, mesh), batch)
+        loss, params, batch = remat_loss(remat)
+        return jax.jit(jax.value_and_grad(loss))(params, batch)
 
     value_ref, grads_ref = value_and_grads("none")
     for remat in ("block", "mixer"):
@@ -223,16 +226,9 @@ def test_block_remat_waits_for_the_cotangent():
     """Each recomputed block starts from an optimization_barrier over its saved input and the
     cotangent of its output, so that no scheduler can run the blocks' recomputations
     together (models.remat): one barrier per block in the backward, none without remat."""
-    mesh = mesh_of(1, 2)
-    batch = shard_batch(mqar_batch(jax.random.key(0), 2, 32, VOCAB, 4), mesh)
-
     def barriers(remat):
-        model = LM(VOCAB, 32, "gdn,attn,gdn", 2, 16, 64, cp_axis="seq", remat=remat,
-                   rngs=nnx.Rngs(0))
-        graph, params = nnx.split(model)
-        loss = make_loss(graph, mesh)
-        text = str(jax.make_jaxpr(jax.grad(lambda p, b: loss(p, b)[0]))(params, batch))
-        return text.count("optimization_barrier")
+        loss, params, batch = remat_loss(remat, "gdn,attn,gdn")
+        return str(jax.make_jaxpr(jax.grad(loss))(params, batch)).count("optimization_barrier")
 
     assert barriers("none") == 0
     assert barriers("block") == 3
