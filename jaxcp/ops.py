@@ -8,7 +8,7 @@ from jax import lax
 from jaxcp.checks import check_gate_activation, check_inputs
 from jaxcp.cp.all_to_all import head_all_to_all
 from jaxcp.core import CoreConfig, chunk_delta_rule
-from jaxcp.cp.split import Piece, axis_pieces
+from jaxcp.cp.split import axis_pieces
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
@@ -51,12 +51,15 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
         q, k = l2_normalize(q), l2_normalize(k)
     q, k = (jnp.repeat(x.astype(impl.qk_dtype(dot_dtype)), HV // H, axis=2) for x in (q, k))
 
-    local = (Piece(0, 0, 0, T),) if cp_axis is None else axis_pieces(cp_layout, cp_axis, T)
+    local = axis_pieces(cp_layout, cp_axis, T)
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
     NT = num_chunks(piece_len, chunk_size, n_seqs)
     A_log, dt_bias, lower_bound = activation or (None, None, None)
-    if not impl.gate_cumsum and activation is not None:
+    if impl.gate_cumsum:
+        cumsum = GateCumsum(chunk_size, NT, activate=activation is not None,
+                            lower_bound=lower_bound, interpret=backend == "interpret")
+    elif activation is not None:
         g = decay_from_raw(gate, g, *activation)
     pieces_in, layouts, unchunks = [], [], []
     for p in local:
@@ -68,8 +71,6 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
             chunk = lambda x, tm=token_map: to_chunks(x, tm, NT, chunk_size)
             unchunk = lambda y, tm=token_map: from_chunks(y, tm, piece_len)
         if impl.gate_cumsum:
-            cumsum = GateCumsum(chunk_size, NT, activate=activation is not None,
-                                lower_bound=lower_bound, interpret=backend == "interpret")
             g_p = chunk_gate(cumsum, cut(g), A_log, dt_bias, layout)
         else:
             g_p = chunk(f32(cut(g))[..., None] if gate is Gate.SCALAR else f32(cut(g)))

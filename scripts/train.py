@@ -270,11 +270,12 @@ def _train(args, ap, argv, env, cluster) -> int:
     dtype = jnp.dtype(args.dtype)
     check_vma = args.backend != "interpret"
     step_fn = make_train_step(graph, mesh, tx, dtype, check_vma=check_vma)
-    eval_fn = jax.jit(make_loss(graph, mesh, dtype, check_vma=check_vma))
+    loss_fn = make_loss(graph, mesh, dtype, check_vma=check_vma)
+    eval_fn = jax.jit(loss_fn)
     batch_shape = Batch(*(jax.ShapeDtypeStruct((args.batch, args.seq_len), d)
                           for d in (jnp.int32, jnp.int32, jnp.float32)))
     try:        # the ops' argument checks (head sizes, say), before anything is written
-        jax.eval_shape(make_loss(graph, mesh, dtype, check_vma=check_vma), params, batch_shape)
+        jax.eval_shape(loss_fn, params, batch_shape)
     except (ValueError, TypeError) as e:
         ap.error(f"the model does not take these flags: {str(e).splitlines()[0]}")
     params = replicate(params, mesh)

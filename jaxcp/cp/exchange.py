@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.cp.merge import merge_prefix, merge_suffix
-from jaxcp.cp.split import axis_piece_indices
+from jaxcp.cp.split import axis_piece_indices, in_sequence_order
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import vary_like
 
@@ -45,15 +45,12 @@ def _shift(axis: str, x: jax.Array, step: int) -> jax.Array:
     return lax.ppermute(x, axis, perm)
 
 
-def _gather_in_order(ex: Exchange, per_piece: list):
+def _gather_summaries(ex: Exchange, per_piece: list):
     """All-gather each local piece's arrays (a pytree per piece) over the axis, in one
-    collective, and stack them in sequence order: [n_pieces, ...] (W pieces contiguous, 2W
-    zigzag, where device r holds pieces r and 2W - 1 - r)."""
+    collective, and stack them in sequence order: [n_pieces, ...]."""
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_piece)
     gathered = lax.all_gather(stacked, ex.axis)                        # [W, local, ...]
-    if ex.layout == "contiguous":
-        return jax.tree.map(lambda a: a[:, 0], gathered)
-    return jax.tree.map(lambda a: jnp.concatenate([a[:, 0], a[::-1, 1]]), gathered)
+    return jax.tree.map(lambda a: in_sequence_order(a, ex.layout), gathered)
 
 
 def entry_states(ex: Exchange | None, stages, terms: list, layouts: list, init):
@@ -68,7 +65,7 @@ def entry_states(ex: Exchange | None, stages, terms: list, layouts: list, init):
         # no piece after the last one reads its summary
         summaries = [stages.cp_summary(t, lay, init, unused=p == n_pieces - 1)
                      for t, lay, p in zip(terms, layouts, pieces)]
-        ext_all, m_all = _gather_in_order(ex, summaries)
+        ext_all, m_all = _gather_summaries(ex, summaries)
         return [merge_prefix(ext_all, m_all, p) for p in pieces], [m for _, m in summaries]
     (t,), (lay,) = terms, layouts
     relay = lambda _, s_in: _shift(ex.axis, stages.state_last(t, lay, init, s_in), +1)
@@ -87,7 +84,7 @@ def exit_cotangents(ex: Exchange | None, stages, terms: list, layouts: list, do:
     pieces = axis_piece_indices(ex.layout, ex.axis)
     if ex.strategy == "allgather":
         # no piece before the first one reads its entry cotangent
-        d_ext_all, m_all = _gather_in_order(ex, [
+        d_ext_all, m_all = _gather_summaries(ex, [
             (entry_grad(t, lay, d, z, p == 0), m)
             for t, lay, d, z, p, m in zip(terms, layouts, do, zeros, pieces, ms)])
         return [merge_suffix(d_ext_all, m_all, p) for p in pieces]

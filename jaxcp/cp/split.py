@@ -59,8 +59,11 @@ def positions(cp_layout: str, rank: jax.Array, world: int, t_local: int) -> jax.
                             for p in pieces(cp_layout, rank, world, t_local)]).astype(jnp.int32)
 
 
-def axis_pieces(cp_layout: str, axis: str, t_local: int) -> tuple[Piece, ...]:
-    """``pieces`` of this device inside shard_map, over the manual mesh axis `axis`."""
+def axis_pieces(cp_layout: str, axis: str | None, t_local: int) -> tuple[Piece, ...]:
+    """``pieces`` of this device inside shard_map, over the manual mesh axis `axis`; axis
+    None (no CP): the whole sequence, one piece."""
+    if axis is None:
+        return pieces("contiguous", 0, 1, t_local)
     return pieces(cp_layout, lax.axis_index(axis), lax.axis_size(axis), t_local)
 
 
@@ -72,9 +75,20 @@ def axis_piece_indices(cp_layout: str, axis: str) -> tuple[jax.Array, ...]:
     return rank, 2 * lax.axis_size(axis) - 1 - rank
 
 
-def axis_positions(cp_layout: str, axis: str, t_local: int) -> jax.Array:
-    """``positions`` of this device's tokens inside shard_map over `axis`."""
+def axis_positions(cp_layout: str, axis: str | None, t_local: int) -> jax.Array:
+    """``positions`` of this device's tokens inside shard_map over `axis` (axis None: no
+    CP, 0 .. t_local - 1)."""
+    if axis is None:
+        return positions("contiguous", 0, 1, t_local)
     return positions(cp_layout, lax.axis_index(axis), lax.axis_size(axis), t_local)
+
+
+def in_sequence_order(per_device: jax.Array, cp_layout: str) -> jax.Array:
+    """[W, pieces per device, ...] (device, local piece) -> [n_pieces, ...] in sequence
+    order: under zigzag the devices' early pieces, then their late pieces reversed."""
+    if cp_layout == "contiguous":
+        return per_device[:, 0]
+    return jnp.concatenate([per_device[:, 0], per_device[::-1, 1]])
 
 
 def piece_order(cp_layout: str, world: int, n_tokens: int) -> np.ndarray:

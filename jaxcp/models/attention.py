@@ -61,8 +61,7 @@ class CausalSelfAttention(nnx.Module):
 
     def _forward(self, x, cu_seqlens):
         B, T, _ = x.shape
-        pos = (jnp.arange(T, dtype=jnp.int32) if self.cp_axis is None
-               else axis_positions(self.cp_layout, self.cp_axis, T))
+        pos = axis_positions(self.cp_layout, self.cp_axis, T)
         seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
         offset = 0 if cu_seqlens is None else cu_seqlens[seq]
         q = rope(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim), pos - offset,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcp.cp.halo import previous_tokens
-from jaxcp.cp.split import Piece, axis_pieces, check_layout
+from jaxcp.cp.split import axis_pieces, check_layout
 from jaxcp.layout import sequence_of
 from jaxcp.models.inputs import check_hidden_states
 
@@ -43,11 +43,10 @@ class ShortConvolution(nnx.Module):
         check_hidden_states(x, self.hidden_size, "ShortConvolution")
         B, T, _ = x.shape
         W = self.conv_size
+        local = axis_pieces(self.cp_layout, self.cp_axis, T)
         if self.cp_axis is None:
-            local = (Piece(0, 0, 0, T),)
             halos = (jnp.zeros((B, W - 1) + x.shape[2:], x.dtype),)
         else:
-            local = axis_pieces(self.cp_layout, self.cp_axis, T)
             halos = previous_tokens(x, W - 1, self.cp_axis, self.cp_layout)
         weight = self.weight[...].astype(x.dtype)
         y = jnp.concatenate([self._piece(x[:, p.offset:p.offset + p.length], halo, p.start,
