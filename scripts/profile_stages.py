@@ -4,13 +4,13 @@
 
 Stages, as ``backend="pallas"`` runs them for bf16 inputs, one sequence or the packed
 sequences of --cu-seqlens (the kernels read q, k, v, g, beta and write o token-major, in
-place): the L2 norm of q and
-k (XLA; only above the Pallas GDN implementation's normalize_max_k, else the kernels
-normalise), the intra-chunk
-terms (writing the inverse too when the forward runs for a backward), the backward's
-recomputation of w and u from it, the forward state recurrence fused with the output
-(what the forward runs), the forward recurrence that stores h and v_new (what the backward
-recomputes), the reverse recurrence, and the input cotangents; then the whole op. With
+place): the L2 norm of q and k (XLA; only above the Pallas GDN implementation's
+normalize_max_k, else the kernels normalise), the intra-chunk terms (writing the inverse
+too when the forward runs for a backward), the backward's recomputation of w and u from it,
+the forward state recurrence fused with the output (what the forward runs), the forward
+recurrence that stores h and v_new (what the backward recomputes), the reverse recurrence,
+the input cotangents, and the two kernels context parallelism adds (the summary (S_ext, M)
+and the entry cotangent, ``cp.exchange``); then the whole op. With
 --variants, rows marked "variant" re-time a stage in another form (not what ships): the
 chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
 state columns per program, warps, pipeline stages); --variants TEXT times only the
@@ -112,6 +112,8 @@ def main(argv=None):
     grads = lambda *xs, blocks=None: pgrads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:],
                                                         precise=False, blocks=blocks, **pallas)
     timed("chunk_grads", grads, *token_args, terms, h, vn, x, dvn, do)
+    _cp_rows(timed, partial(pstate.cp_summary, **kw), partial(pstate.state_bwd, **kw),
+             terms, layout, do, h0)
 
     if args.variants is not None:
         timed("variant: to_chunks (the padded chunk layout, a gather)", lambda *xs: tuple(
@@ -150,6 +152,15 @@ def main(argv=None):
     timed("op forward+backward", forward_backward(lambda *a: op(*a)[0], range(5), wo), *xs)
 
     _table(rows, T, H, D)
+
+
+def _cp_rows(timed, cp_summary, state_bwd, terms, layout, do, h0):
+    """The two kernels context parallelism adds to a device's share of the op (``cp.exchange``):
+    the forward's summary (S_ext, M) and the backward's entry cotangent, each a pass of the
+    state recurrence over the device's chunks."""
+    timed("cp_summary (CP forward: S_ext, M)", lambda t: cp_summary(t, layout, None), terms)
+    timed("state_bwd entry cotangent (CP backward)", lambda t, d: state_bwd(
+        t, layout, d, None, h0, entry_only=True), terms, do)
 
 
 def _timed(rows, iters, name, fn, *xs):
@@ -240,6 +251,7 @@ def _profile_kda(args, cu):
                          terms, do)
     timed("chunk_grads", lambda *a: st.chunk_grads(*a[:5], scale, layout, *a[5:]),
           *xs, terms, h, vn, x, dvn, do)
+    _cp_rows(timed, st.cp_summary, st.state_bwd, terms, layout, do, h0)
     if args.variants is not None:
         bounded = gate_cumsum(jnp.maximum(g, -5.0))
         _kda_variants(partial(_timed_variant, rows, args.iters, args.variants), xs,

@@ -25,6 +25,7 @@ def previous_tokens(x: jax.Array, width: int, axis: str,
     n_pieces = lax.axis_size(axis) * len(local)
     hops = min(n_pieces - 1, -(-width // local[0].length))
     for _ in range(hops):
-        tails = tuple(jnp.concatenate([w, xp], axis=1)[:, -width:] for w, xp in zip(windows, xs))
+        tails = tuple(jnp.concatenate([w, xp[:, -width:]], axis=1)[:, -width:]
+                      for w, xp in zip(windows, xs))
         windows = next_piece_shift(cp_layout, axis, tails)
     return windows

@@ -45,7 +45,7 @@ class ShortConvolution(nnx.Module):
         W = self.conv_size
         local = axis_pieces(self.cp_layout, self.cp_axis, T)
         if self.cp_axis is None:
-            halos = (jnp.zeros((B, W - 1) + x.shape[2:], x.dtype),)
+            halos = (None,)
         else:
             halos = previous_tokens(x, W - 1, self.cp_axis, self.cp_layout)
         weight = self.weight[...].astype(x.dtype)
@@ -55,12 +55,29 @@ class ShortConvolution(nnx.Module):
         return jax.nn.silu(y) if self.activation == "silu" else y
 
     def _piece(self, x, halo, start, weight, cu_seqlens):
-        """The convolution of one piece x [B, L, hidden] at global tokens [start, start + L)."""
+        """The convolution of one piece x [B, L, hidden] at global tokens [start, start + L),
+        halo [B, W - 1, hidden] the tokens before it (None: zeros). The piece is convolved
+        as if zeros came before it, and the halo's taps are added to its first W - 1
+        outputs apart, so that no [B, L + W - 1, hidden] copy of x is made."""
         W, L = self.conv_size, x.shape[1]
-        ext = jnp.concatenate([halo, x], axis=1)
+        zeros = lambda n: jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
+        y = self._taps(jnp.concatenate([zeros(W - 1), x], axis=1), start, L, weight,
+                       cu_seqlens)
+        if halo is None or W == 1:
+            return y
+        n = min(L, W - 1)
+        head = self._taps(jnp.concatenate([halo, zeros(n)], axis=1), start, n, weight,
+                          cu_seqlens)
+        return y + jnp.pad(head, ((0, 0), (0, L - n), (0, 0)))
+
+    def _taps(self, ext, start, L, weight, cu_seqlens):
+        """sum_j weight[W - 1 - j] * ext[W - 1 + t - j] for the outputs t < L, ext [B, L + W - 1,
+        hidden] holding the tokens [start - W + 1, start + L); taps before the stream's start
+        or in another sequence than t's read zero."""
+        W = self.conv_size
         pos = start - (W - 1) + jnp.arange(L + W - 1)
         seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
-        y = jnp.zeros_like(x)
+        y = jnp.zeros(ext.shape[:1] + (L,) + ext.shape[2:], ext.dtype)
         for lag in range(W):
             src = slice(W - 1 - lag, W - 1 - lag + L)
             keep = (pos[src] >= 0) & (seq[src] == seq[W - 1:])
