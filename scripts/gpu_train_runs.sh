@@ -10,7 +10,7 @@
 #   dpN     --mesh data=N,seq=1 --batch N   one sequence per GPU (data parallel, no CP)
 #
 # Each run writes into OUT_DIR/<name>/ (stdout.log, train.log with stderr); a failed run (out
-# of memory, say) does not stop the others. Then scripts/report_train.py writes a record of
+# of memory, say) does not stop the others. Then benchmarks.bench.train writes a record of
 # every run directory in OUT_DIR into $REPORT (default docs/benchmarks/train.json) and renders
 # its table beside it (train.md). The exit status is 1 if a run failed. Environment:
 #   RUNS="cp4 single dp4"   the runs to do, in order
@@ -64,5 +64,5 @@ for name in ${RUNS:-cp4 single dp4}; do
   fi
 done
 
-"$py" scripts/report_train.py "$out"/*/ --json "$report" || failed=1
+"$py" -m benchmarks.bench.train "$out"/*/ --json "$report" || failed=1
 exit $failed

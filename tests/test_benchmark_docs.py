@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jaxcp.bench import docs
+from benchmarks import pages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "*.json")))
@@ -15,13 +15,13 @@ RECORDS = sorted(glob.glob(os.path.join(ROOT, "docs", "benchmarks", "*.json")))
 def test_every_record_file_has_a_renderer():
     assert RECORDS, "no docs/benchmarks/*.json"
     for path in RECORDS:
-        assert docs.kind(path) in docs.RENDERERS
+        assert pages.kind(path) in pages.RENDERERS
 
 
 @pytest.mark.parametrize("path", RECORDS, ids=os.path.basename)
 def test_committed_markdown_is_the_fresh_render(path, tmp_path):
     name = os.path.splitext(os.path.basename(path))[0]
-    docs.write(path, str(tmp_path), png=False)
+    pages.write(path, str(tmp_path), png=False)
     fresh = (tmp_path / f"{name}.md").read_text()
     committed_path = os.path.splitext(path)[0] + ".md"
     assert os.path.exists(committed_path), f"docs/benchmarks/{name}.md is missing"
@@ -29,12 +29,12 @@ def test_committed_markdown_is_the_fresh_render(path, tmp_path):
         committed = f.read()
     assert committed == fresh, (
         f"docs/benchmarks/{name}.md differs from the render of {name}.json and {name}.notes.md;"
-        f" regenerate it: python scripts/render_docs.py docs/benchmarks/{name}.json")
+        f" regenerate it: python -m benchmarks.pages docs/benchmarks/{name}.json")
 
 
 def test_memory_page_marks_failed_runs_and_ops():
     """A run out of memory, a run that failed otherwise and an op that failed say so."""
-    from jaxcp.bench import memory
+    from benchmarks.bench import memory
     model = dict(kind="train", layers="gdn,attn", hidden=64, heads=2, head_dim=32,
                  device="GPU", jax="0")
     records = [dict(model, T_local=1024, remat="none", fits=True, peak_gib=1.5, step_ms=250.0),
@@ -54,17 +54,16 @@ def test_memory_page_marks_failed_runs_and_ops():
                                    ["--T", "0"]])
 def test_bench_memory_flag_errors(flags, capsys):
     """Bad flags: exit code 2 and a one-line message naming the flag, before any run."""
-    import runpy
-    main = runpy.run_path(os.path.join(ROOT, "scripts", "bench_memory.py"))["main"]
+    from benchmarks.bench import memory
     with pytest.raises(SystemExit) as e:
-        main(flags)
+        memory.main(flags)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert flags[0] in err[-1]
 
 
 def test_kernel_page_shows_peak_memory_when_recorded():
-    from jaxcp.bench import kernels
+    from benchmarks.bench import kernels
     row = dict(op="kda", T=8, H=2, K=16, V=16, device="H100", **{"pass": "fwd"})
     records = [dict(row, impl="jaxcp-pallas", ms=2.0, peak_bytes=2 ** 30),
                dict(row, impl="fla", ms=1.0, peak_bytes=2 ** 31)]
@@ -75,7 +74,7 @@ def test_kernel_page_shows_peak_memory_when_recorded():
 
 
 def test_kernel_page_says_when_the_gate_is_computed_in_the_op():
-    from jaxcp.bench import kernels
+    from benchmarks.bench import kernels
     row = dict(op="kda", T=8, H=2, K=16, V=16, device="H100", ms=1.0, **{"pass": "fwd"})
     records = [dict(row, impl="jaxcp-pallas"), dict(row, impl="fla")]
     assert "use_gate_in_kernel" not in kernels.markdown(records)

@@ -121,8 +121,8 @@ def test_train_script_stops_on_a_non_finite_loss(tmp_path):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == "error: the loss is nan at step 3"
     report = tmp_path / "train.md"
-    subprocess.run([sys.executable, "scripts/report_train.py", str(tmp_path), "--out", str(report)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.bench.train", str(tmp_path), "--out",
+                    str(report)], check=True, capture_output=True)
     assert "failed: loss nan at step 3" in report.read_text()
 
 

@@ -1,7 +1,7 @@
 """The CP attention's cuDNN pieces on a GPU: errors against a float32 reference, and times.
 
-    python scripts/check_attention.py                       # checks, then times
-    python scripts/check_attention.py --time-T 65536 --W 2  # times at another shape
+    python -m benchmarks.check.attention                       # checks, then times
+    python -m benchmarks.check.attention --time-T 65536 --W 2  # times at another shape
 
 Checks (bf16 inputs, T = --W x --T tokens, every device's share computed on this GPU as CP
 computes it): the output and the q, k, v gradients of ``prefix_causal_attention`` with
@@ -17,12 +17,13 @@ import argparse
 
 import numpy as np
 
-from jaxcp.bench.timing import forward_backward, pipelined_ms
+from benchmarks.timing import forward_backward, pipelined_ms
 from jaxcp.metrics import rel_error
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.check.attention",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=1024, help="tokens per device in the checks")
     ap.add_argument("--W", type=int, default=4, help="devices simulated")
     ap.add_argument("--heads", type=int, default=8)

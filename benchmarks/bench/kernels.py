@@ -1,14 +1,14 @@
 """Time jaxcp (pallas, xla) and FLA side by side on one GPU: GDN or KDA, B = 1, bf16,
 L2-normalised q/k.
 
-    python scripts/bench_kernels.py --json docs/benchmarks/kernels.json     # on the GPU machine
-    python scripts/bench_kernels.py --op kda --json docs/benchmarks/kernels_kda.json
-    python scripts/bench_kernels.py --report docs/benchmarks/kernels.json   # kernels.md, .png
-    python scripts/bench_kernels.py --op kda --gate-in-kernel --json kda_gate.json
+    python -m benchmarks.bench.kernels --json docs/benchmarks/kernels.json     # on the GPU machine
+    python -m benchmarks.bench.kernels --op kda --json docs/benchmarks/kernels_kda.json
+    python -m benchmarks.bench.kernels --report docs/benchmarks/kernels.json   # kernels.md, .png
+    python -m benchmarks.bench.kernels --op kda --gate-in-kernel --json kda_gate.json
 
 --gate-in-kernel (KDA): both sides take g as the raw gate and compute the decay in the op
-(use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``jaxcp.bench.kernels.
-GATE_IN_KERNEL``); its records carry gate_in_kernel, and belong in a file of their own.
+(use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``GATE_IN_KERNEL``);
+its records carry gate_in_kernel, and belong in a file of their own.
 
 FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
 same GPU, before JAX takes the device; it is skipped (with a note) when it cannot be imported.
@@ -16,13 +16,16 @@ FLA is timed with q, k normalised by torch (F.normalize before the op) and by it
 fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
 A call is the jitted forward (returns o) or forward+backward (o, then the gradients of q, k,
-v, g, beta for a random output cotangent by jax.vjp: ``jaxcp.bench.timing.forward_backward``,
+v, g, beta for a random output cotangent by jax.vjp: ``benchmarks.timing.forward_backward``,
 as FLA's ``o.backward(do)``). Both sides time the GPU's time per call, calls queued back to
-back: FLA by triton's do_bench (median), jaxcp by ``jaxcp.bench.timing.pipelined_ms`` (median
+back: FLA by triton's do_bench (median), jaxcp by ``benchmarks.timing.pipelined_ms`` (median
 of --iters rounds of 4 queued calls). Each record also has the call's peak memory
 (peak_bytes): jaxcp's from the compiled call's memory analysis (arguments, outputs and XLA's
 temporaries), FLA's the torch allocator's peak over one call, its inputs, output cotangent
 and gradients live.
+
+``markdown`` is the records' table, the page docs/benchmarks/kernels*.md
+(``benchmarks.pages``), with ``floor_ms``, the shape's floor.
 """
 from __future__ import annotations
 
@@ -33,14 +36,43 @@ import subprocess
 import sys
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
+CHUNK = 64
+# measured on H100 and H200: memory bytes/s, dense bf16 FLOP/s
+PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
+IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla")
+# KDA's gate computed in the op (--gate-in-kernel), on both sides: the raw gate is the
+# benchmark's g, A_log and dt_bias are zeros
+GATE_IN_KERNEL = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+
+
+def jaxcp_op(name: str):
+    """jaxcp's ``chunk_kda`` (name "kda") or ``chunk_gated_delta_rule`` ("gdn")."""
+    import jaxcp
+    return jaxcp.chunk_kda if name == "kda" else jaxcp.chunk_gated_delta_rule
+
+
+def jaxcp_inputs(op: str, T: int, H: int, D: int):
+    """q, k, v [1, T, H, D] bf16 (normal), g float32 (log-sigmoid of normal; [1, T, H, D] for
+    KDA, [1, T, H] for GDN), beta [1, T, H] bf16 (sigmoid of normal) and an output cotangent
+    do [1, T, H, D] bf16; seed 0."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
+    gate_shape = (1, T, H, D) if op == "kda" else (1, T, H)
+    g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal(gate_shape), jnp.float32))
+    beta = jax.nn.sigmoid(r(1, T, H))
+    return q, k, v, g, beta, r(1, T, H, D)
 
 
 def run_fla(op: str, configs, iters: int, gate_in_kernel: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
     import triton
-    from jaxcp.bench import fla
-    from jaxcp.bench.kernels import GATE_IN_KERNEL
+    from benchmarks import fla
 
     fla_op = fla.op(op)
     out = []
@@ -80,8 +112,7 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
               compile_threads: int = 8, gate_in_kernel: bool = False) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from jaxcp.bench.kernels import GATE_IN_KERNEL, jaxcp_inputs, jaxcp_op
-    from jaxcp.bench.timing import forward_backward, time_side_by_side
+    from benchmarks.timing import forward_backward, time_side_by_side
 
     device = jax.devices()[0].device_kind
     out = []
@@ -113,8 +144,95 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
     return out
 
 
+def floor_ms(op: str, T: int, H: int, D: int, passes: str, device: str) -> float:
+    """Physical floor of the op on this shape: max(bytes / bandwidth, FLOPs / tensor peak).
+
+    fwd bytes: q, k, v read, o written (bf16), beta and g (fp32; g one value per token and
+    head for GDN, D for KDA). fwd FLOPs per (chunk, head), both ops:
+    2 [C^2 (3K + 2V) + 3 C K V] (kk^T, w, u, qk^T; w S, k^T v; q S, attn v). fwd+bwd: about
+    3x the FLOPs (recompute + 2x for the gradients) and 2.5x the bytes (inputs, do, five
+    gradients)."""
+    bw, peak = next((v for k, v in PEAKS.items() if k in device), PEAKS["H100"])
+    C = CHUNK
+    n_chunk_heads = T // C * H
+    flops = 2 * (C * C * (3 * D + 2 * D) + 3 * C * D * D) * n_chunk_heads
+    gate_bytes = 4 * (D if op == "kda" else 1)
+    bytes_ = (4 * D * 2 + 4 + gate_bytes) * T * H
+    if passes == "fwd+bwd":
+        flops, bytes_ = 3 * flops, 2.5 * bytes_
+    return 1e3 * max(bytes_ / bw, flops / peak)
+
+
+def gate_in_kernel_text(records: list[dict]) -> str:
+    """How the records' gate was computed, for the page's setting line."""
+    if not any(r.get("gate_in_kernel") for r in records):
+        return ""
+    return (" KDA's gate computed in the op from the raw g (use_gate_in_kernel, safe_gate, "
+            "lower_bound = -5, A_log = dt_bias = 0).")
+
+
+def op_of(records: list[dict]) -> str:
+    """The one op ("gdn" or "kda") that the records time."""
+    ops = {r["op"] for r in records}
+    if len(ops) != 1:
+        raise ValueError(f"records: one op per benchmark file, got {sorted(ops)}")
+    return ops.pop()
+
+
+def shapes(records: list[dict]) -> list[tuple[int, int, int]]:
+    """The (T, H, K) of the records, by T, then the most heads first."""
+    return sorted({(r["T"], r["H"], r["K"]) for r in records}, key=lambda c: (c[0], -c[1]))
+
+
+def impls_of(records: list[dict]) -> list[str]:
+    """The implementations the records hold, in IMPLS order."""
+    return [i for i in IMPLS if any(r["impl"] == i for r in records)]
+
+
+def markdown(records: list[dict]) -> str:
+    """Title, setting, one row per shape and pass (ms per implementation, pallas / FLA and
+    the floor), and how the floor is counted."""
+    device = next((r["device"] for r in records if r["impl"] != "fla"), records[0]["device"])
+    jax = next((r["jax"] for r in records if r.get("jax")), "?")
+    fla = next((r["fla"] for r in records if r.get("fla")), "not run")
+    names = impls_of(records)
+    op = op_of(records)
+    ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
+    peak = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r.get("peak_bytes")
+            for r in records}
+    with_peaks = any(v is not None for v in peak.values())
+    lines = [f"# {op.upper()} kernel benchmark", "",
+             f"Device: {device}; jax {jax}; FLA {fla}. B = 1, bf16, q/k L2-normalised, "
+             "median ms per call" + (", and peak GiB per call (jaxcp: the compiled call's "
+                                     "arguments, outputs and temporaries; FLA: the allocator's "
+                                     "peak over one call)" if with_peaks else "") + "."
+             + gate_in_kernel_text(records), "",
+             "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |"
+             + (" peak GiB " + " / ".join(names) + " |" if with_peaks else ""),
+             "|---|---|---|---|" + "---|" * len(names) + "---|---|"
+             + ("---|" if with_peaks else "")]
+    for T, H, D in shapes(records):
+        for passes in ("fwd", "fwd+bwd"):
+            vals = [ms.get((i, T, H, D, passes)) for i in names]
+            p, f = ms.get(("jaxcp-pallas", T, H, D, passes)), ms.get(("fla", T, H, D, passes))
+            ratio = f"{p / f:.2f}x" if p and f else "-"
+            row = (f"| {T} | {H} | {D} | {passes} | "
+                   + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
+                   + f" | {ratio} | {floor_ms(op, T, H, D, passes, device):.2f} |")
+            if with_peaks:
+                gib = [peak.get((i, T, H, D, passes)) for i in names]
+                row += " " + " / ".join("-" if b is None else f"{b / 2**30:.2f}"
+                                        for b in gib) + " |"
+            lines.append(row)
+    lines += ["", "Floor: max(bytes / bandwidth, FLOPs / bf16 tensor peak) with the measured "
+              "3.0 TB/s (H100) or 4.3 TB/s (H200) and 790 TFLOP/s (`benchmarks.bench."
+              "kernels.floor_ms`)."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench.kernels",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("gdn", "kda"), default="gdn")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
@@ -133,8 +251,8 @@ def main(argv=None) -> int:
     if args.gate_in_kernel and args.op != "kda":
         ap.error("--gate-in-kernel is for --op kda")
     if args.report:
-        from jaxcp.bench import docs
-        docs.write(args.report)
+        from benchmarks import pages
+        pages.write(args.report)
         return 0
     configs = CONFIGS if not args.configs else [
         tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
@@ -146,8 +264,8 @@ def main(argv=None) -> int:
     fla_version = "not run"
     if "fla" in impls:
         # a child process, so that FLA (torch) has the GPU to itself before JAX starts
-        child = subprocess.run([sys.executable, __file__, "--fla-child", "--op", args.op,
-                                "--iters", str(args.iters),
+        child = subprocess.run([sys.executable, "-m", __spec__.name, "--fla-child",
+                                "--op", args.op, "--iters", str(args.iters),
                                 "--configs", ",".join(":".join(map(str, c)) for c in configs)]
                                + (["--gate-in-kernel"] if args.gate_in_kernel else []),
                                stdout=subprocess.PIPE, text=True)

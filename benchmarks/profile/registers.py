@@ -1,7 +1,7 @@
 """Registers and spill bytes per thread of the KDA chunk kernels for sm_90, without a GPU.
 
     pip install triton==3.6.0                        # the Triton of the GPU image, for its ptxas
-    python scripts/kernel_registers.py --K 128 --col-block 64 --warps 4 --stages 2
+    python -m benchmarks.profile.registers --K 128 --col-block 64 --warps 4 --stages 2
 
 Each kernel is lowered for CUDA as jax hands it to XLA (the Pallas Triton module; the GPU
 info that jax would read off a device is H100's), compiled by triton for sm_90 at the given
@@ -23,7 +23,8 @@ import tempfile
 
 def _parser():
     from jaxcp.cli import OneLineParser
-    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m benchmarks.profile.registers",
+                       description=__doc__.split("\n")[0])
     ap.add_argument("--K", type=int, default=128, help="K = V")
     ap.add_argument("--col-block", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)

@@ -1,18 +1,19 @@
 """Context-parallel GDN on W devices: no CP vs allgather / all_to_all / relay, and FLA's KCP
 and head all-to-all.
 
-    python scripts/bench_cp.py --json docs/benchmarks/cp_w2.json       # on the multi-GPU machine
-    python scripts/bench_cp.py --report docs/benchmarks/cp_w2.json     # cp_w2.md, .png
+    python -m benchmarks.bench.cp --json docs/benchmarks/cp_w2.json    # on the multi-GPU machine
+    python -m benchmarks.bench.cp --report docs/benchmarks/cp_w2.json  # cp_w2.md, .png
 
 bf16, B = 1, q/k L2-normalised before the timed calls (jaxcp and FLA alike, as FLA's CP
 benchmark does; the norm is not part of the times); one sequence and a packed set of 10.
 fwd+bwd computes o and then the gradients for a cotangent of ones, as FLA's
-``o.backward(torch.ones_like(o))`` (``jaxcp.bench.timing.forward_backward``).
+``o.backward(torch.ones_like(o))`` (``benchmarks.timing.forward_backward``).
 "none" runs the whole sequence on one device; the CP strategies split it over all W.
 rate = (t_none / W) / t (1.0 is a perfect split). FLA (torch) runs first, as W processes
 under torchrun, so that JAX has the GPUs afterwards. Each time is per call, for calls queued
 back to back (GPU time): the median of --iters rounds of 4 calls, by CUDA events for FLA and
-``jaxcp.bench.timing.pipelined_ms`` for jaxcp.
+``benchmarks.timing.pipelined_ms`` for jaxcp. ``markdown`` is the records' tables, the page
+docs/benchmarks/cp*.md (``benchmarks.pages``).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from fla.ops.cp import build_cp_context
-    from jaxcp.bench import fla
+    from benchmarks import fla
 
     chunk_gated_delta_rule = fla.op("gdn")
 
@@ -57,7 +58,7 @@ def fla_worker(T: int, H: int, D: int, iters: int, names=LAYOUTS) -> None:
     dev = torch.device("cuda", rank)
 
     def timeit(fn, calls=4):
-        # CUDA events around `calls` queued calls, per call: as jaxcp.bench.timing.pipelined_ms
+        # CUDA events around `calls` queued calls, per call: as benchmarks.timing.pipelined_ms
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -137,7 +138,7 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxcp
-    from jaxcp.bench.timing import forward_backward, time_side_by_side
+    from benchmarks.timing import forward_backward, time_side_by_side
     from jaxcp.l2norm import l2_normalize
 
     devices = jax.devices()[:W]
@@ -188,8 +189,49 @@ def run_jaxcp(T: int, H: int, D: int, W: int, iters: int, strategies, backend,
     return records
 
 
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def markdown(records: list[dict]) -> str:
+    """Every record with its rate and overhead against the run without CP, then the target's
+    two ratios per layout and pass."""
+    W = max(r["W"] for r in records)
+    first = records[0]
+    none = {(r["impl"], r["nseq"], r["pass"]): r["ms"] for r in records if r["strategy"] == "none"}
+    lines = ["# Context-parallel GDN benchmark", "",
+             f"Device: {W} x {first['device']}; T = {first['T']}, H = {first['H']}, "
+             f"K = V = {first['K']}, bf16, B = 1, median ms per call.", "",
+             "rate = (t_none / W) / t (1.0 is a perfect split); overhead = t - t_none / W: what "
+             "CP adds to this device's share of the work (summary, collectives, merge).", "",
+             "| impl | strategy | sequences | pass | ms | rate | overhead ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        t_none = none.get((r["impl"], r["nseq"], r["pass"]))
+        cp = r["strategy"] != "none" and t_none
+        rate = f"{t_none / W / r['ms']:.0%}" if cp else "-"
+        overhead = f"{r['ms'] - t_none / W:.2f}" if cp else "-"
+        lines.append(f"| {r['impl']} | {r['strategy']} | {r['nseq']} | {r['pass']} | "
+                     f"{r['ms']:.2f} | {rate} | {overhead} |")
+    lines += ["", "Target: allgather faster than FLA's KCP, and >= 1.3x faster than all_to_all.",
+              "", "| sequences | pass | allgather ms | FLA KCP ms | allgather / KCP (< 1: met) "
+              "| all_to_all / allgather (>= 1.3: met) |", "|---|---|---|---|---|---|"]
+    ms = {(r["strategy"], r["nseq"], r["pass"]): r["ms"] for r in records}
+    for nseq, passes in sorted({(r["nseq"], r["pass"]) for r in records}):
+        ag = ms.get(("allgather", nseq, passes))
+        kcp, a2a = ms.get(("fla-kcp", nseq, passes)), ms.get(("all_to_all", nseq, passes))
+        lines.append(f"| {nseq} | {passes} | {_ms(ag)} | {_ms(kcp)} | {_ratio(ag, kcp)} | "
+                     f"{_ratio(a2a, ag)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench.cp",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
     ap.add_argument("--T", type=int, default=32768)
@@ -212,8 +254,8 @@ def main(argv=None) -> int:
     if not set(names) <= set(LAYOUTS):
         ap.error("--layouts: comma list of " + ", ".join(LAYOUTS))
     if args.report:
-        from jaxcp.bench import docs
-        docs.write(args.report)
+        from benchmarks import pages
+        pages.write(args.report)
         return 0
     if args.fla_worker:
         fla_worker(args.T, args.H, args.D, args.iters, names)
@@ -229,7 +271,7 @@ def main(argv=None) -> int:
         n = W or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True,
                                     text=True).stdout.count("GPU "))
         child = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                                f"--nproc_per_node={n}", __file__, "--fla-worker",
+                                f"--nproc_per_node={n}", "-m", __spec__.name, "--fla-worker",
                                 "--T", str(args.T), "--H", str(args.H), "--D", str(args.D),
                                 "--iters", str(args.iters), "--layouts", args.layouts],
                                stdout=subprocess.PIPE, text=True)

@@ -1,6 +1,6 @@
 """Time each stage of the Pallas GDN pipeline alone on the current device (jitted, median ms).
 
-    python scripts/profile_stages.py --T 32768 --H 64 --D 128
+    python -m benchmarks.profile.stages --T 32768 --H 64 --D 128
 
 Stages, as ``backend="pallas"`` runs them for bf16 inputs, one sequence or the packed
 sequences of --cu-seqlens (the kernels read q, k, v, g, beta and write o token-major, in
@@ -29,7 +29,8 @@ import numpy as np
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile.stages",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--D", type=int, default=128)
@@ -54,7 +55,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     import jaxcp
-    from jaxcp.bench.timing import forward_backward
+    from benchmarks.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
@@ -166,7 +167,7 @@ def _cp_rows(timed, cp_summary, state_bwd, terms, layout, do, h0):
 def _timed(rows, iters, name, fn, *xs):
     """Jit fn, append (name, median ms over iters calls) to rows, print it, return fn(*xs)."""
     import jax
-    from jaxcp.bench.timing import median_ms
+    from benchmarks.timing import median_ms
     fn = jax.jit(fn)
     ms = median_ms(fn, *xs, iters=iters, warmup=0)
     rows.append((name, ms))
@@ -201,7 +202,7 @@ def _profile_kda(args, cu):
     import jax
     import jax.numpy as jnp
     import jaxcp
-    from jaxcp.bench.timing import forward_backward
+    from benchmarks.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks

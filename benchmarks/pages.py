@@ -1,19 +1,29 @@
-"""docs/benchmarks/NAME.md rendered from NAME.json and the hand-written NAME.notes.md.
+"""Render docs/benchmarks/NAME.md (and NAME.png) from NAME.json and NAME.notes.md.
 
-The kind of a record file, and so its renderer, is its name: "kernels", "cp", "train",
+    python -m benchmarks.pages                                  # every docs/benchmarks/*.json
+    python -m benchmarks.pages docs/benchmarks/kernels.json     # one of them
+
+NAME.json holds a benchmark's records, NAME.notes.md the hand-written rest of the page. The
+kind of a record file, and so its renderer, is its name: "kernels", "cp", "train",
 "gpu_checks" or "memory", alone or followed by "_" and a suffix (cp_w2.json). Kinds with a
-plot also get NAME.png (matplotlib, imported only for it)."""
+plot also get NAME.png (matplotlib, imported only for it). tests/test_benchmark_docs.py
+fails when a committed .md differs from what this writes.
+"""
 from __future__ import annotations
 
+import argparse
+import glob
 import json
 import os
+import sys
 
-from jaxcp.bench import checks, cp, kernels, memory, train
+from benchmarks.bench import cp, kernels, memory, train
+from benchmarks.check import kernels as checks
 
 RENDERERS = {"kernels": kernels.markdown, "cp": cp.markdown, "train": train.markdown,
              "gpu_checks": checks.markdown, "memory": memory.markdown}
 PLOTS = {"kernels": "kernels_png", "cp": "cp_png", "memory": "memory_png"}
-COMMAND = "python scripts/render_docs.py"
+COMMAND = "python -m benchmarks.pages"
 
 
 def kind(json_path: str) -> str:
@@ -52,8 +62,26 @@ def write(json_path: str, out_dir: str | None = None, png: bool = True) -> list[
         f.write(render(json_path))
     written = [out + ".md"]
     if png and kind(json_path) in PLOTS:
-        from jaxcp.bench import plot
+        from benchmarks import plot
         with open(json_path) as f:
             getattr(plot, PLOTS[kind(json_path)])(json.load(f), out + ".png")
         written.append(out + ".png")
     return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
+    ap.add_argument("json", nargs="*", help="record files (default: docs/benchmarks/*.json)")
+    ap.add_argument("--no-png", action="store_true", help="markdown only (no matplotlib)")
+    args = ap.parse_args(argv)
+    for path in args.json or sorted(glob.glob("docs/benchmarks/*.json")):
+        try:
+            written = write(path, png=not args.no_png)
+        except (OSError, ValueError) as e:
+            ap.exit(2, f"{ap.prog}: error: {e}\n")
+        print("wrote " + ", ".join(written), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Peak GPU memory of a training step and of the ops alone: how long a sequence fits.
 
-    python scripts/bench_memory.py --json docs/benchmarks/memory.json       # on a GPU machine
-    python scripts/bench_memory.py --T 32768 65536 --remat none block --ops none --json m.json
-    python scripts/render_docs.py docs/benchmarks/memory.json              # memory.md, .png
+    python -m benchmarks.bench.memory --json docs/benchmarks/memory.json    # on a GPU machine
+    python -m benchmarks.bench.memory --T 32768 65536 --remat none block --ops none --json m.json
+    python -m benchmarks.pages docs/benchmarks/memory.json                 # memory.md, .png
 
 Train: scripts/train.py with the MODEL below (bf16, batch 1, mesh data=1,seq=1) for --steps
 steps at each T_local and remat choice, one process per run, shortest first; a run that fails
@@ -15,7 +15,17 @@ in its own process: jaxcp's peak is the compiled call's memory (arguments + outp
 temporaries - aliased bytes), FLA's the torch allocator's peak over the call, the inputs
 included. Both calls keep o and return the gradients of q, k, v, g, beta.
 
-Records are written after every measurement (``jaxcp.bench.memory`` describes them).
+Records are written after every measurement, two kinds told apart by "kind":
+
+- "train": one scripts/train.py run of a model at T_local tokens on one GPU with a remat
+  choice: fits (the steps ran), peak_gib (peak bytes in use), step_ms, tokens_per_s, or the
+  error's last line.
+- "op": one forward+backward call of an op (GDN or KDA; jaxcp or FLA) at (T, H, K = V): its
+  peak bytes (inputs, output cotangent, o, gradients and temporaries), and bytes per token
+  and head.
+
+``markdown`` is their tables, the page docs/benchmarks/memory.md (``benchmarks.pages``; the
+plot: ``plot.memory_png``).
 """
 from __future__ import annotations
 
@@ -29,18 +39,18 @@ import time
 
 from jaxcp.cli import OneLineParser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ("--layers", "gdn,gdn,gdn,attn", "--hidden", "2048", "--heads", "16",
          "--head-dim", "128")
 OP_SHAPES = [(32768, 64, 128), (131072, 16, 128)]      # (T, H, K = V)
-
+GIB = 2 ** 30
 
 
 def op_jaxcp(op: str, T: int, H: int, D: int) -> dict:
     import jax
     import jax.numpy as jnp
     import jaxcp
-    from jaxcp.bench.timing import compiled_peak_bytes, forward_backward
+    from benchmarks.timing import compiled_peak_bytes, forward_backward
 
     keys = iter(jax.random.split(jax.random.key(0), 8))
     normal = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16)
@@ -61,7 +71,7 @@ def op_jaxcp(op: str, T: int, H: int, D: int) -> dict:
 
 def op_fla(op: str, T: int, H: int, D: int) -> dict:
     import torch
-    from jaxcp.bench import fla
+    from benchmarks import fla
 
     fla_op = fla.op(op)
     q, k, v, g, beta = fla.inputs(op, T, H, D)
@@ -76,7 +86,8 @@ def measure_op(op: str, impl: str, T: int, H: int, D: int, timeout: int) -> dict
     """One op measurement in a child process (a fresh allocator, the GPU to itself)."""
     base = dict(kind="op", op=op, impl=impl, T=T, H=H, K=D, V=D)
     try:
-        child = subprocess.run([sys.executable, __file__, "--child", f"{op}:{impl}:{T}:{H}:{D}"],
+        child = subprocess.run([sys.executable, "-m", __spec__.name, "--child",
+                                f"{op}:{impl}:{T}:{H}:{D}"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -128,6 +139,61 @@ def device_memory_gib() -> tuple[str | None, float | None]:
     return name.strip(), round(float(mib) / 1024, 1)
 
 
+def train_rows(records):
+    """The train records, their remat choices and T_local values (in order), and the records
+    by (T_local, remat)."""
+    runs = [r for r in records if r["kind"] == "train"]
+    remats = sorted({r["remat"] for r in runs}, key=("none", "block", "mixer").index)
+    lengths = sorted({r["T_local"] for r in runs})
+    at = {(r["T_local"], r["remat"]): r for r in runs}
+    return runs, remats, lengths, at
+
+
+def _train_cell(r) -> str:
+    if r is None:
+        return "-"
+    if not r["fits"]:
+        error = r.get("error", "")
+        return ("out of memory" if "RESOURCE_EXHAUSTED" in error or "Out of memory" in error
+                else f"failed: {error}")
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f} GiB"
+    return f"{peak}, {r['step_ms'] / 1e3:.2f} s"
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["# Memory", ""]
+    runs, remats, lengths, at = train_rows(records)
+    if runs:
+        first = runs[0]
+        lines += [f"## A training step on one GPU ({first['device']})", "",
+                  f"`{first['layers']}`, hidden {first['hidden']}, {first['heads']} heads of "
+                  f"{first['head_dim']}, bf16, batch 1, jax {first['jax']}. Each cell: peak "
+                  "memory in use, step time.", "",
+                  "| T_local | " + " | ".join(f"remat {m}" for m in remats) + " |",
+                  "|---|" + "---|" * len(remats)]
+        lines += [f"| {T:,} | " + " | ".join(_train_cell(at.get((T, m))) for m in remats)
+                  + " |" for T in lengths]
+        lines.append("")
+    ops = [r for r in records if r["kind"] == "op"]
+    if ops:
+        device = next((r["device"] for r in ops if "device" in r), "?")
+        lines += [f"## One op, forward+backward ({device})", "",
+                  "Peak bytes of one call: inputs (q, k, v bf16, g fp32, beta), the output "
+                  "cotangent, o, the gradients and the temporaries.", "",
+                  "| op | impl | T | H | K = V | peak GiB | KB per token and head |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in ops:
+            if "error" in r:
+                lines.append(f"| {r['op'].upper()} | {r['impl']} | {r['T']:,} | {r['H']} | "
+                             f"{r['K']} | failed: {r['error']} | |")
+                continue
+            per = r["peak_bytes"] / (r["T"] * r["H"]) / 1e3
+            lines.append(f"| {r['op'].upper()} | {r['impl']} | {r['T']:,} | {r['H']} | "
+                         f"{r['K']} | {r['peak_bytes'] / GIB:.2f} | {per:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -136,7 +202,8 @@ def _positive(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m benchmarks.bench.memory",
+                       description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--T", type=_positive, nargs="*", default=[32768, 65536, 131072, 262144],
                     help="T_local of the training runs (none: no training runs)")

@@ -2,23 +2,25 @@
 
     M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread
     ncu --profile-from-start off --clock-control none --csv --print-units base --metrics $M \\
-        python scripts/profile_kernels.py run --impl jaxcp --op kda --T 8192 --H 64 --D 128 > jaxcp.csv
-    ncu ... python scripts/profile_kernels.py run --impl fla --op kda --T 8192 --H 64 --D 128 > fla.csv
-    python scripts/profile_kernels.py table jaxcp=jaxcp.csv fla=fla.csv
+        python -m benchmarks.profile.kernels run --impl jaxcp --op kda --T 8192 --H 64 --D 128 > jaxcp.csv
+    ncu ... python -m benchmarks.profile.kernels run --impl fla --op kda --T 8192 --H 64 --D 128 > fla.csv
+    python -m benchmarks.profile.kernels table jaxcp=jaxcp.csv fla=fla.csv
 
-`run` makes the inputs of scripts/bench_kernels.py (B = 1, bf16, q/k normalised inside the
+`run` makes the inputs of ``benchmarks.bench.kernels`` (B = 1, bf16, q/k normalised inside the
 op), calls the forward+backward twice (compilation, FLA's autotuning), then once more
 between cuProfilerStart and cuProfilerStop, so that ncu (--profile-from-start off) profiles
 that call's kernels alone. jaxcp runs ``backend="pallas"``; FLA (its ``chunk_kda`` or
 ``chunk_gated_delta_rule``, fused norm) must be importable. `table` sums each CSV per kernel
-name (``jaxcp.bench.ncu``) and prints one markdown table per LABEL=CSV.
+name (``kernel_times``: ncu's CSV from ``--csv --print-units base --metrics`` with ``METRICS``)
+and prints one markdown table per LABEL=CSV (``markdown``).
 
 Where ncu cannot profile a run (jaxcp's under ncu crashed on the H200 machines), `run
 --timeline` takes the third call's kernels from torch's profiler instead (CUPTI's activity
 records, which hold every kernel of the process, JAX's included; torch must be importable):
-no ncu, the kernels run as in the benchmark, and it prints the per-kernel time table itself:
+no ncu, the kernels run as in the benchmark, and it prints the per-kernel time table itself
+(``times_markdown``):
 
-    python scripts/profile_kernels.py run --timeline --impl jaxcp --op kda --T 32768 --H 64 --D 128
+    python -m benchmarks.profile.kernels run --timeline --impl jaxcp --op kda --T 32768 --H 64 --D 128
 
 FLA autotunes its kernels on their first calls, which under ncu ran past 150 s at T = 8192,
 H = 64: run `run --impl fla` (or the benchmark) once without ncu first, on the same machine.
@@ -27,15 +29,94 @@ the run under ncu reads them.
 """
 from __future__ import annotations
 
+import csv
 import ctypes
 import sys
+from dataclasses import dataclass
 from functools import partial
 
 from jaxcp.cli import OneLineParser
 
+TIME, READ, WRITTEN, REGISTERS = ("gpu__time_duration.sum", "dram__bytes_read.sum",
+                                  "dram__bytes_write.sum", "launch__registers_per_thread")
+METRICS = (TIME, READ, WRITTEN, REGISTERS)
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """The launches of one kernel name: their count, summed time (ns) and DRAM bytes read and
+    written, and the registers per thread (the most of any launch)."""
+    name: str
+    launches: int
+    ns: float
+    bytes_read: float
+    bytes_written: float
+    registers: int
+
+    @property
+    def tb_per_s(self) -> float:
+        return (self.bytes_read + self.bytes_written) / max(self.ns, 1.0) / 1e3
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def kernel_times(csv_text: str) -> list[KernelTime]:
+    """The kernels of one ncu CSV (one row per launch and metric; ncu's own messages, which
+    do not start with a quote, skipped), summed per name in the order of first launch.
+    Raises ValueError if a launch lacks one of ``METRICS`` or no launch is there."""
+    rows = csv.DictReader(line for line in csv_text.splitlines() if line.startswith('"'))
+    launches: dict[str, tuple[str, dict[str, str]]] = {}
+    for row in rows:
+        launches.setdefault(row["ID"], (row["Kernel Name"], {}))[1][row["Metric Name"]] = \
+            row["Metric Value"]
+    if not launches:
+        raise ValueError("no kernel launch in the ncu CSV (was ncu run with --csv?)")
+    sums: dict[str, list] = {}
+    for launch_id, (name, metrics) in launches.items():
+        missing = [m for m in METRICS if m not in metrics]
+        if missing:
+            raise ValueError(f"launch {launch_id} ({name}) has no {', '.join(missing)}: run "
+                             f"ncu with --metrics {','.join(METRICS)}")
+        acc = sums.setdefault(name, [0, 0.0, 0.0, 0.0, 0])
+        acc[0] += 1
+        for i, metric in enumerate((TIME, READ, WRITTEN), start=1):
+            acc[i] += _number(metrics[metric])
+        acc[4] = max(acc[4], int(_number(metrics[REGISTERS])))
+    return [KernelTime(name, *acc) for name, acc in sums.items()]
+
+
+def markdown(runs: dict[str, list[KernelTime]], width: int = 60) -> str:
+    """One table per run (label -> kernels): ms, launches, DRAM GB read / written, achieved
+    TB/s and registers per kernel name (cut to width characters), then the total time."""
+    lines = []
+    for label, kernels in runs.items():
+        lines += [f"## {label}", "",
+                  "| kernel | launches | ms | GB read | GB written | TB/s | registers |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| `{k.name[:width]}` | {k.launches} | {k.ns / 1e6:.3f} | "
+                  f"{k.bytes_read / 1e9:.2f} | {k.bytes_written / 1e9:.2f} | "
+                  f"{k.tb_per_s:.2f} | {k.registers} |" for k in kernels]
+        total = sum(k.ns for k in kernels) / 1e6
+        lines += ["", f"Total: {total:.3f} ms over {sum(k.launches for k in kernels)} "
+                      f"launches.", ""]
+    return "\n".join(lines)
+
+
+def times_markdown(label: str, kernels: list[tuple[str, int, float]], width: int = 60) -> str:
+    """One run's table from (kernel name, launches, summed ms) per name, in the given order:
+    ms and launches per kernel (names cut to width characters), then the total time."""
+    lines = [f"## {label}", "", "| kernel | launches | ms |", "|---|---|---|"]
+    lines += [f"| `{name[:width]}` | {launches} | {ms:.3f} |" for name, launches, ms in kernels]
+    total = sum(ms for _, _, ms in kernels)
+    lines += ["", f"Total: {total:.3f} ms over {sum(n for _, n, _ in kernels)} launches.", ""]
+    return "\n".join(lines)
+
 
 def _parser():
-    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m benchmarks.profile.kernels",
+                       description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="one profiled forward+backward (under ncu)")
     run.add_argument("--impl", choices=("jaxcp", "fla"), required=True)
@@ -73,9 +154,8 @@ def _profiled(call) -> None:
 
 def _timeline(call, label: str) -> None:
     """call() twice, then once under torch's profiler (CUDA activities): print its kernels'
-    times (``ncu.times_markdown``)."""
+    times (``times_markdown``)."""
     from torch.profiler import ProfilerActivity, profile
-    from jaxcp.bench import ncu
 
     call()
     call()
@@ -83,13 +163,13 @@ def _timeline(call, label: str) -> None:
         call()
     kernels = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
                if e.self_device_time_total > 0]
-    print(ncu.times_markdown(label, kernels))
+    print(times_markdown(label, kernels))
 
 
 def _run_jaxcp(op: str, T: int, H: int, D: int, profiled) -> None:
     import jax
-    from jaxcp.bench.kernels import jaxcp_inputs, jaxcp_op
-    from jaxcp.bench.timing import forward_backward
+    from benchmarks.bench.kernels import jaxcp_inputs, jaxcp_op
+    from benchmarks.timing import forward_backward
 
     q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
     op_fn = jaxcp_op(op)
@@ -100,7 +180,7 @@ def _run_jaxcp(op: str, T: int, H: int, D: int, profiled) -> None:
 
 def _run_fla(op: str, T: int, H: int, D: int, profiled) -> None:
     import torch
-    from jaxcp.bench import fla
+    from benchmarks import fla
 
     fla_op = fla.op(op)
     q, k, v, g, beta = fla.inputs(op, T, H, D)
@@ -114,8 +194,6 @@ def _run_fla(op: str, T: int, H: int, D: int, profiled) -> None:
 
 
 def _table(ap, runs: list[str]) -> None:
-    from jaxcp.bench import ncu
-
     tables = {}
     for run in runs:
         label, sep, path = run.partition("=")
@@ -123,10 +201,10 @@ def _table(ap, runs: list[str]) -> None:
             ap.error(f"runs: expected LABEL=CSV, got {run!r}")
         try:
             with open(path) as f:
-                tables[label] = ncu.kernel_times(f.read())
+                tables[label] = kernel_times(f.read())
         except (OSError, ValueError) as e:
             ap.error(f"runs: {path}: {e}")
-    print(ncu.markdown(tables))
+    print(markdown(tables))
 
 
 def main(argv=None) -> int:

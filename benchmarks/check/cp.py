@@ -5,8 +5,8 @@ op and CP strategy: relative errors of o, the final states and the gradients (q,
 beta, initial_state) of CP against the single-device call, and median times of the jitted
 forward and forward+backward.
 
-    python scripts/check_cp.py                                  # defaults, 8 CPU devices
-    python scripts/check_cp.py --T 32768 --H 16 --K 128 --V 128 --varlen 0,2960,5212,32768
+    python -m benchmarks.check.cp                               # defaults, 8 CPU devices
+    python -m benchmarks.check.cp --T 32768 --H 16 --K 128 --V 128 --varlen 0,2960,5212,32768
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import sys
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.check.cp",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--ops", default="gdn,kda", help="comma list of gdn, kda")
     ap.add_argument("--strategies", default="allgather,all_to_all,relay")
     ap.add_argument("--devices", type=int, default=None,
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jaxcp
-    from jaxcp.bench.timing import median_ms
+    from benchmarks.timing import median_ms
     from jaxcp.metrics import rel_error
 
     W = args.devices or len(jax.devices())

@@ -1,4 +1,12 @@
-"""scripts/train.py runs: records from their run directories, and the records as a table.
+"""Records of scripts/train.py runs, from their run directories, and their table.
+
+    python -m benchmarks.bench.train runs/gpu/*/ --json docs/benchmarks/train.json
+    python -m benchmarks.bench.train runs/more/*/ --json docs/benchmarks/train.json --keep
+    python -m benchmarks.bench.train runs/cpu/*/ --out /tmp/train.md
+
+--json writes one record per run directory (``FIELDS``: the run's settings, result, speed and
+memory) and renders the .md beside it (with its .notes.md, if there is one), as
+``benchmarks.pages`` does; --out writes the table alone, as markdown.
 
 Each run directory holds config.json (written by train.py at the start) and, once the run has
 finished, summary.json; a run without summary.json falls back to the last record of
@@ -8,9 +16,11 @@ before writing it) gives a record of its name and status only.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import sys
 
 # (record field, table column, digits of a number or None for text)
 FIELDS = (("run", "run", None), ("result", "result", None), ("mesh", "mesh", None),
@@ -108,3 +118,48 @@ def markdown(records: list[dict]) -> str:
     lines += ["| " + " | ".join(_cell(r.get(name), digits, name == "command")
                                 for name, _, digits in FIELDS) + " |" for r in records]
     return "\n".join(lines) + "\n"
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv=None) -> int:
+    from benchmarks import pages
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench.train",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("run_dirs", nargs="+", help="train.py run directories")
+    ap.add_argument("--json", help="records file, its .md written beside it "
+                                   "(default without --out: docs/benchmarks/train.json)")
+    ap.add_argument("--out", help="write the table alone here, as markdown")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the records already in --json (but those of the same run names), "
+                         "before the new ones")
+    args = ap.parse_args(argv)
+    json_path = args.json or (None if args.out else "docs/benchmarks/train.json")
+    try:
+        if json_path and pages.kind(json_path) != "train":
+            raise ValueError(f"{json_path}: the name must be train.json or train_*.json")
+        records = [record(load_run(d)) for d in args.run_dirs]
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+    written = []
+    if json_path and args.keep and os.path.exists(json_path):
+        names = {r["run"] for r in records}
+        with open(json_path) as f:
+            records = [r for r in json.load(f) if r["run"] not in names] + records
+    if json_path:
+        _write(json_path, json.dumps(records, indent=1))
+        written += [json_path] + pages.write(json_path)
+    if args.out:
+        _write(args.out, markdown(records))
+        written.append(args.out)
+    print(f"wrote {', '.join(written)} ({len(records)} runs)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

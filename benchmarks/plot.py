@@ -2,7 +2,7 @@
 extra)."""
 from __future__ import annotations
 
-from jaxcp.bench import kernels, memory
+from benchmarks.bench import kernels, memory
 
 PASSES = ("fwd", "fwd+bwd")
 
@@ -23,7 +23,7 @@ def _panels(figsize):
 def kernels_png(records: list[dict], path: str) -> None:
     """Per pass, a group of bars per shape, one bar per implementation."""
     device = next((r["device"] for r in records if r["impl"] != "fla"), records[0]["device"])
-    keys, names = kernels.shapes(records), kernels.impls(records)
+    keys, names = kernels.shapes(records), kernels.impls_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
     fig, axes = _panels((11, 4))
     for ax, passes in zip(axes, PASSES):
