@@ -35,9 +35,9 @@ from jaxcp.vma import match_cotangent
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Static settings of one call. gate: the decay gate's kind. cp_strategy: "allgather" or
-    "relay" (all_to_all wraps the op without CP, see ``cp.all_to_all``); cp_layout: how the
-    sequence is split over cp_axis (``cp.split``; relay takes "contiguous" only). backend: "xla",
+    """Static settings of one call. gate: the decay gate's kind. exchange: the cross-device
+    step ("allgather" or "relay" over an axis in a layout, ``cp.exchange``; None without CP:
+    all_to_all wraps the op without CP, ``cp.strategies``). backend: "xla",
     "pallas" or "interpret"; whether q, k, v, g, beta (and o) are token-major
     [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
     normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C.
@@ -47,9 +47,7 @@ class CoreConfig:
     scale: float
     output_final_state: bool
     gate: Gate
-    cp_axis: str | None = None
-    cp_strategy: str = "allgather"
-    cp_layout: str = "contiguous"
+    exchange: Exchange | None = None
     backend: str = "xla"
     dot_dtype: str = "float32"
     normalize_qk: bool = False
@@ -62,13 +60,6 @@ class CoreConfig:
     def stages(self) -> Stages:
         return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
                           self.chunk_size, self.gate_bound, self.unit_qk, self.tokens)
-
-    @property
-    def exchange(self) -> Exchange | None:
-        """The cross-device step (None without CP)."""
-        if self.cp_axis is None:
-            return None
-        return Exchange(self.cp_axis, self.cp_strategy, self.cp_layout)
 
 
 def _forward(cfg, q, k, v, g, beta, init, layouts, for_backward=False):

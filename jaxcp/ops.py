@@ -1,14 +1,17 @@
 """Public ops: chunked Gated DeltaNet and Kimi Delta Attention, with context parallelism."""
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcp.checks import check_gate_activation, check_inputs
-from jaxcp.cp.all_to_all import head_all_to_all
 from jaxcp.core import CoreConfig, chunk_delta_rule
+from jaxcp.cp.exchange import Exchange
 from jaxcp.cp.split import axis_pieces
+from jaxcp.cp.strategies import ContextParallel, run_sharded
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
@@ -22,22 +25,27 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
     """activation: None (g is the decay), or (A_log, dt_bias, lower_bound) of the gate
     activation that turns the raw g into the decay (``gate.decay_from_raw``): inside the
     gate kernel where the stages take G (``stages``), else by XLA here."""
-    world = check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
-                         chunk_size=chunk_size, backend=backend, cp_layout=cp_layout)
+    check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                 cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
+                 chunk_size=chunk_size, backend=backend, cp_layout=cp_layout)
     if cu_seqlens is not None and cu_seqlens.shape[0] == 2:
         cu_seqlens = None        # one sequence, [0, T): the same as B = 1 without cu_seqlens
-    if cp_axis is not None and cp_strategy == "all_to_all":
-        if activation is not None:      # A_log and dt_bias are per head: split with them
-            g, activation = decay_from_raw(gate, g, *activation), None
-        run = lambda q, k, v, g, beta, h0: _chunk_op(
-            gate, q, k, v, g, beta, scale=scale, initial_state=h0,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=None,
-            cp_strategy="allgather", cp_layout="contiguous", chunk_size=chunk_size,
-            backend=backend, gate_bound=gate_bound)
-        return head_all_to_all(run, cp_axis, q, k, v, g, beta, initial_state, cp_layout)
+    cp = None if cp_axis is None else ContextParallel(cp_axis, cp_strategy, cp_layout)
+    if cp is not None and cp.splits_heads and activation is not None:
+        # A_log and dt_bias are per head: the decay is split with the heads
+        g, activation = decay_from_raw(gate, g, *activation), None
+    local_op = partial(_local_op, gate, scale=scale, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       chunk_size=chunk_size, backend=backend, gate_bound=gate_bound,
+                       activation=activation)
+    return run_sharded(cp, local_op, q, k, v, g, beta, initial_state)
 
+
+def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | None, *,
+              scale, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size,
+              backend, gate_bound, activation):
+    """The op on the tokens given (this device's pieces of the sequence with exchange, else
+    the whole sequence): inputs cast and laid out for the stages, then the core."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     scale = K ** -0.5 if scale is None else float(scale)
@@ -51,7 +59,11 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
         q, k = l2_normalize(q), l2_normalize(k)
     q, k = (jnp.repeat(x.astype(impl.qk_dtype(dot_dtype)), HV // H, axis=2) for x in (q, k))
 
-    local = axis_pieces(cp_layout, cp_axis, T)
+    if exchange is None:
+        local, world = axis_pieces("contiguous", None, T), 1
+    else:
+        local = axis_pieces(exchange.layout, exchange.axis, T)
+        world = lax.axis_size(exchange.axis)
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
     NT = num_chunks(piece_len, chunk_size, n_seqs)
@@ -80,16 +92,13 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
         unchunks.append(unchunk)
     init = None if initial_state is None else f32(initial_state)
     cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
-                     cp_axis=cp_axis, cp_strategy=cp_strategy, cp_layout=cp_layout,
-                     backend=backend, dot_dtype=dot_dtype, normalize_qk=normalize_in_kernels,
-                     chunk_size=chunk_size, gate_bound=gate_bound,
-                     unit_qk=use_qk_l2norm_in_kernel,
+                     exchange=exchange, backend=backend, dot_dtype=dot_dtype,
+                     normalize_qk=normalize_in_kernels, chunk_size=chunk_size,
+                     gate_bound=gate_bound, unit_qk=use_qk_l2norm_in_kernel,
                      tokens=piece_len if impl.token_major else None)
     o_pieces, final = chunk_delta_rule(cfg, *(tuple(x) for x in zip(*pieces_in)), init,
                                        tuple(layouts))
     o = jnp.concatenate([unchunk(o_p) for unchunk, o_p in zip(unchunks, o_pieces)], axis=1)
-    if final is not None and cp_axis is not None:
-        final = lax.psum(final, cp_axis)
     return o.astype(v.dtype), final
 
 
