@@ -12,7 +12,7 @@ from jaxcp.cp.split import axis_pieces
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
-from jaxcp.pallas.gate_cumsum import GateCumsum, chunk_gate
+from jaxcp.pallas.triton.kda.gate_cumsum import GateCumsum, chunk_gate
 from jaxcp.stages import implementation, resolve_backend
 
 
