@@ -24,10 +24,14 @@ gathered into the chunk layout [NT, B, HV, C, ...] like the terms. Stages take t
 after ``scale``. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
 whose bare q, k are the token tensors as given.
 
-G (``gate_cumsum``): the stages take the gate as G, its cumsum over each chunk's rows in
-the chunk layout [NT, B, HV, C, K], which the op computes first with a Pallas kernel
-(``kda.gate_cumsum.chunk_gate``, the gate activation inside it), and their dg is dG;
-the kernel's backward takes dG to the gate. Otherwise g is the per-token decay.
+The op hands the caller's gate to the ``gate`` stage first, with the gate activation when
+the caller passes the raw gate input, and the other stages take what it returns as g.
+G (``gate_cumsum``): that is G, the decay's cumsum over each chunk's rows in the chunk
+layout [NT, B, HV, C, K], from a Pallas kernel (``kda.gate_cumsum.chunk_gate``, the gate
+activation inside it), and the stages' dg is dG; the kernel's backward takes dG to the
+gate. Otherwise it is the per-token decay (``xla.per_token_decay``; the activation by
+XLA), which the op lays out in chunks with the other token tensors where the stages are
+not token-major.
 """
 from __future__ import annotations
 
@@ -46,10 +50,14 @@ BACKENDS = ("xla", "pallas", "interpret")
 
 class Stages(NamedTuple):
     """The stage functions of one implementation, with the signatures of ``jaxcp.xla`` after
-    the layout argument; and two for the backward's intra terms: ``keep(terms)``, what the
-    forward keeps of its terms (from ``intra(..., with_inverse=True)``; None: nothing), and
-    ``intra_again(q, k, v, g, beta, scale, layout, kept)``, the terms with the inverse
-    again, from the kept ones (Pallas GDN: only w and u are recomputed) or from scratch."""
+    the layout argument; ``gate(g, layout, activation=None)``, the caller's gate as the
+    other stages take it (module docstring; activation: None or (A_log, dt_bias,
+    lower_bound), ``gate.decay_from_raw``); and two for the backward's intra terms:
+    ``keep(terms)``, what the forward keeps of its terms (from ``intra(...,
+    with_inverse=True)``; None: nothing), and ``intra_again(q, k, v, g, beta, scale,
+    layout, kept)``, the terms with the inverse again, from the kept ones (Pallas GDN: only
+    w and u are recomputed) or from scratch."""
+    gate: Callable
     intra: Callable
     keep: Callable
     intra_again: Callable
@@ -122,8 +130,9 @@ def _xla_stages(o: StageOptions) -> Stages:
         q, k, v, g, beta, scale, *rest, gate=o.gate)
     intra_again = lambda q, k, v, g, beta, scale, layout, kept: intra(
         q, k, v, g, beta, scale, layout)
-    return Stages(intra, lambda terms: None, intra_again, xla.state_output, xla.state_fwd,
-                  xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
+    return Stages(partial(xla.per_token_decay, gate=o.gate), intra, lambda terms: None,
+                  intra_again, xla.state_output, xla.state_fwd, xla.state_last,
+                  xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
 def _pallas_state_stages(o: StageOptions, out_dtype=None, **options) -> dict:
@@ -141,7 +150,7 @@ def _pallas_state_stages(o: StageOptions, out_dtype=None, **options) -> dict:
 
 
 def _pallas_gdn_stages(o: StageOptions) -> Stages:
-    """GDN: every stage a Pallas kernel, token-major."""
+    """GDN: every stage but the gate a Pallas kernel, token-major."""
     from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
     kw = dict(interpret=o.interpret, precise=o.dot_dtype == "float32",
               normalize_qk=o.normalize_qk)
@@ -158,8 +167,9 @@ def _pallas_gdn_stages(o: StageOptions) -> Stages:
         return gdn_grads.chunk_grads(q, k, v, g, beta, scale, layout, o.chunk_size, *rest,
                                      **kw)
 
-    return Stages(intra=intra, keep=gdn_intra.kept_for_w_u, intra_again=intra_again,
-                  chunk_grads=chunk_grads, **_pallas_state_stages(o))
+    return Stages(gate=partial(xla.per_token_decay, gate=o.gate), intra=intra,
+                  keep=gdn_intra.kept_for_w_u, intra_again=intra_again, chunk_grads=chunk_grads,
+                  **_pallas_state_stages(o))
 
 
 def _pallas_kda_stages(o: StageOptions) -> Stages:
@@ -167,7 +177,7 @@ def _pallas_kda_stages(o: StageOptions) -> Stages:
     attn; the backward computes w, u and the factor tiles again from T (``kda.intra``),
     and its input cotangents read T (``kda.grads``)."""
     from jaxcp.pallas.triton.common.products import Fp32Products
-    from jaxcp.pallas.triton.kda import grads as kda_grads, intra as kda_intra
+    from jaxcp.pallas.triton.kda import gate_cumsum, grads as kda_grads, intra as kda_intra
     precise = o.dot_dtype == "float32"
     products = Fp32Products.for_inputs(o.dot_dtype)
     # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
@@ -175,6 +185,13 @@ def _pallas_kda_stages(o: StageOptions) -> Stages:
     tile_dtype = jnp.float16 if o.unit_qk and not precise else jnp.float32
     kw = dict(normalize_qk=o.normalize_qk, interpret=o.interpret, precise=precise,
               tile_dtype=tile_dtype)
+
+    def gate(g, layout, activation=None):
+        A_log, dt_bias, lower_bound = activation or (None, None, None)
+        cfg = gate_cumsum.GateCumsum(o.chunk_size, layout.chunk_starts.shape[0],
+                                     activate=activation is not None,
+                                     lower_bound=lower_bound, interpret=o.interpret)
+        return gate_cumsum.chunk_gate(cfg, g, A_log, dt_bias, layout)
 
     def intra(q, k, v, G, beta, scale, layout, with_inverse=False):
         return kda_intra.intra_chunk(q, k, v, G, beta, scale, layout,
@@ -200,7 +217,7 @@ def _pallas_kda_stages(o: StageOptions) -> Stages:
     # (launch configurations per kernel: ``StateBlocks.kda``)
     state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products,
                                  out_dtype=jnp.dtype(o.dot_dtype), tile_dtype=tile_dtype)
-    return Stages(intra=intra, keep=kda_intra.kept_for_terms,
+    return Stages(gate=gate, intra=intra, keep=kda_intra.kept_for_terms,
                   intra_again=intra_again, chunk_grads=chunk_grads, **state)
 
 

@@ -203,8 +203,7 @@ def _profile_kda(args, cu):
     from jaxcp.bench.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
-    from jaxcp.layout import build_layout, num_chunks
-    from jaxcp.pallas.triton.kda.gate_cumsum import GateCumsum, chunk_gate
+    from jaxcp.layout import build_layout
     from jaxcp.stages import implementation, stages_for
 
     T, H, D, C = args.T, args.H, args.D, 64
@@ -219,12 +218,10 @@ def _profile_kda(args, cu):
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32)).astype(jnp.bfloat16)
     cu_seqlens = None if cu is None else jnp.asarray(cu, jnp.int32)
     layout, _ = build_layout(1, T, C, cu_seqlens, 0, T)
-    NT = num_chunks(T, C, None if cu is None else len(cu) - 1)
     scale = D ** -0.5
     rows = []
     timed = partial(_timed, rows, args.iters)
-    gate_cumsum = lambda g: chunk_gate(GateCumsum(C, NT, interpret=args.interpret), g, None,
-                                       None, layout)
+    gate_cumsum = lambda g: st.gate(g, layout)
 
     def normed(q, k, v, beta):
         f32 = lambda x: x.astype(jnp.float32)
