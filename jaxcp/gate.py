@@ -62,7 +62,7 @@ def decay_terms(x, a, lower_bound: float | None) -> DecayTerms:
                            dy/dA_log = lb s (1 - s) a x
 
     Plain elementwise jnp: XLA runs it in ``decay_from_raw``, the Pallas gate kernels
-    (``pallas.gate_cumsum``) inside their tiles; unused terms cost nothing in either."""
+    (``pallas.triton.kda.gate_cumsum``) inside their tiles; unused terms cost nothing in either."""
     if lower_bound is None:
         y = -a * softplus(x)
         return DecayTerms(y, -a * sigmoid(x), y)

@@ -15,7 +15,6 @@ from jaxcp.cp.strategies import ContextParallel, run_sharded
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
-from jaxcp.pallas.gate_cumsum import GateCumsum, chunk_gate
 from jaxcp.stages import implementation, resolve_backend
 
 
@@ -23,8 +22,8 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
               cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, cp_layout, chunk_size,
               backend, gate_bound=None, activation=None):
     """activation: None (g is the decay), or (A_log, dt_bias, lower_bound) of the gate
-    activation that turns the raw g into the decay (``gate.decay_from_raw``): inside the
-    gate kernel where the stages take G (``stages``), else by XLA here."""
+    activation that turns the raw g into the decay (``gate.decay_from_raw``), applied by
+    the gate stage (``stages.Stages.gate``)."""
     check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                  cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
                  chunk_size=chunk_size, backend=backend, cp_layout=cp_layout)
@@ -67,12 +66,11 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
     NT = num_chunks(piece_len, chunk_size, n_seqs)
-    A_log, dt_bias, lower_bound = activation or (None, None, None)
-    if impl.gate_cumsum:
-        cumsum = GateCumsum(chunk_size, NT, activate=activation is not None,
-                            lower_bound=lower_bound, interpret=backend == "interpret")
-    elif activation is not None:
-        g = decay_from_raw(gate, g, *activation)
+    cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
+                     exchange=exchange, backend=backend, dot_dtype=dot_dtype,
+                     normalize_qk=normalize_in_kernels, chunk_size=chunk_size,
+                     gate_bound=gate_bound, unit_qk=use_qk_l2norm_in_kernel,
+                     tokens=piece_len if impl.token_major else None)
     pieces_in, layouts, unchunks = [], [], []
     for p in local:
         cut = (lambda x: x) if len(local) == 1 else (lambda x: x[:, p.offset:p.offset + p.length])
@@ -82,20 +80,14 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
         else:
             chunk = lambda x, tm=token_map: to_chunks(x, tm, NT, chunk_size)
             unchunk = lambda y, tm=token_map: from_chunks(y, tm, piece_len)
-        if impl.gate_cumsum:
-            g_p = chunk_gate(cumsum, cut(g), A_log, dt_bias, layout)
-        else:
-            g_p = chunk(f32(cut(g))[..., None] if gate is Gate.SCALAR else f32(cut(g)))
+        g_p = cfg.stages.gate(cut(g), layout, activation)
+        if not impl.gate_cumsum:
+            g_p = chunk(g_p)
         v_p = cut(v).astype(impl.v_dtype(dot_dtype))
         pieces_in.append((chunk(cut(q)), chunk(cut(k)), chunk(v_p), g_p, chunk(f32(cut(beta)))))
         layouts.append(layout)
         unchunks.append(unchunk)
     init = None if initial_state is None else f32(initial_state)
-    cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
-                     exchange=exchange, backend=backend, dot_dtype=dot_dtype,
-                     normalize_qk=normalize_in_kernels, chunk_size=chunk_size,
-                     gate_bound=gate_bound, unit_qk=use_qk_l2norm_in_kernel,
-                     tokens=piece_len if impl.token_major else None)
     o_pieces, final = chunk_delta_rule(cfg, *(tuple(x) for x in zip(*pieces_in)), init,
                                        tuple(layouts))
     o = jnp.concatenate([unchunk(o_p) for unchunk, o_p in zip(unchunks, o_pieces)], axis=1)

@@ -9,12 +9,13 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 | backend  | gate    | intra-chunk terms, input cotangents | state recurrences | token-major, G |
 |----------|---------|-------------------------------------|-------------------|----------------|
 | "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no, no         |
-| "pallas" | SCALAR  | Pallas (``intra``, ``grads``)       | Pallas (``state``) | yes, no       |
-| "pallas" | CHANNEL | Pallas (``intra_channel``, ``grads_channel``) | Pallas   | yes, yes       |
+| "pallas" | SCALAR  | Pallas ``gdn.intra``, ``gdn.grads`` | Pallas ``state``  | yes, no        |
+| "pallas" | CHANNEL | Pallas ``kda.intra``, ``kda.grads`` | Pallas ``state``  | yes, yes       |
 
+The Pallas modules are those of ``jaxcp.pallas.triton`` (``state``: ``common.state``).
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
-device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant is
-one ``Gate`` value and its entries here.
+device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant
+is one ``Gate`` value and its entries here.
 
 token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents stay
 [B, T, HV, ...] as the caller has them, and the kernels read and write each chunk in place,
@@ -23,10 +24,14 @@ gathered into the chunk layout [NT, B, HV, C, ...] like the terms. Stages take t
 after ``scale``. The Pallas GDN intra kernel returns row-factored terms (``ChunkTerms``)
 whose bare q, k are the token tensors as given.
 
-G (``gate_cumsum``): the stages take the gate as G, its cumsum over each chunk's rows in
-the chunk layout [NT, B, HV, C, K], which the op computes first with a Pallas kernel
-(``pallas.gate_cumsum.chunk_gate``, the gate activation inside it), and their dg is dG;
-the kernel's backward takes dG to the gate. Otherwise g is the per-token decay.
+The op hands the caller's gate to the ``gate`` stage first, with the gate activation when
+the caller passes the raw gate input, and the other stages take what it returns as g.
+G (``gate_cumsum``): that is G, the decay's cumsum over each chunk's rows in the chunk
+layout [NT, B, HV, C, K], from a Pallas kernel (``kda.gate_cumsum.chunk_gate``, the gate
+activation inside it), and the stages' dg is dG; the kernel's backward takes dG to the
+gate. Otherwise it is the per-token decay (``xla.per_token_decay``; the activation by
+XLA), which the op lays out in chunks with the other token tensors where the stages are
+not token-major.
 """
 from __future__ import annotations
 
@@ -45,10 +50,14 @@ BACKENDS = ("xla", "pallas", "interpret")
 
 class Stages(NamedTuple):
     """The stage functions of one implementation, with the signatures of ``jaxcp.xla`` after
-    the layout argument; and two for the backward's intra terms: ``keep(terms)``, what the
-    forward keeps of its terms (from ``intra(..., with_inverse=True)``; None: nothing), and
-    ``intra_again(q, k, v, g, beta, scale, layout, kept)``, the terms with the inverse
-    again, from the kept ones (Pallas GDN: only w and u are recomputed) or from scratch."""
+    the layout argument; ``gate(g, layout, activation=None)``, the caller's gate as the
+    other stages take it (module docstring; activation: None or (A_log, dt_bias,
+    lower_bound), ``gate.decay_from_raw``); and two for the backward's intra terms:
+    ``keep(terms)``, what the forward keeps of its terms (from ``intra(...,
+    with_inverse=True)``; None: nothing), and ``intra_again(q, k, v, g, beta, scale,
+    layout, kept)``, the terms with the inverse again, from the kept ones (Pallas GDN: only
+    w and u are recomputed) or from scratch."""
+    gate: Callable
     intra: Callable
     keep: Callable
     intra_again: Callable
@@ -68,7 +77,7 @@ class StageOptions:
     L2-normalise them inside the kernels; the cotangents are those of the raw q, k.
     gate_bound: None, or a bound in [-5, 0) that every decay is known to respect (the KDA
     gate computed with safe_gate and lower_bound), under which KDA's Pallas kernels take every
-    diagonal sub-chunk block as products without checking (``pallas.channel``); the
+    diagonal sub-chunk block as products without checking (``kda.gates``); the
     others ignore it.
     unit_qk: every row of q and k has unit L2 norm (the op normalised them, or the kernels
     do), which bounds the terms that KDA's Pallas stages then keep in float16.
@@ -121,16 +130,17 @@ def _xla_stages(o: StageOptions) -> Stages:
         q, k, v, g, beta, scale, *rest, gate=o.gate)
     intra_again = lambda q, k, v, g, beta, scale, layout, kept: intra(
         q, k, v, g, beta, scale, layout)
-    return Stages(intra, lambda terms: None, intra_again, xla.state_output, xla.state_fwd,
-                  xla.state_last, xla.cp_summary, xla.state_bwd, chunk_grads)
+    return Stages(partial(xla.per_token_decay, gate=o.gate), intra, lambda terms: None,
+                  intra_again, xla.state_output, xla.state_fwd, xla.state_last,
+                  xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
 def _pallas_state_stages(o: StageOptions, out_dtype=None, **options) -> dict:
     """The state recurrences as Pallas kernels (both gates), token-major (o, do); options:
-    the kernels' products (how their fp32 tiles meet the state, ``common.Fp32Products``)
+    the kernels' products (how their fp32 tiles meet the state, ``products.Fp32Products``)
     and blocks (``StateBlocks``) where not their defaults; out_dtype: o's dtype where not
     that of the terms' u."""
-    from jaxcp.pallas import state
+    from jaxcp.pallas.triton.common import state
     kw = dict(gate=o.gate, token_major=True, interpret=o.interpret,
               dot_dtype=jnp.dtype(o.dot_dtype), **options)
     stages = {name: partial(getattr(state, name), **kw) for name in (
@@ -139,33 +149,35 @@ def _pallas_state_stages(o: StageOptions, out_dtype=None, **options) -> dict:
                                              out_dtype=out_dtype, **kw))
 
 
-def _pallas_scalar_stages(o: StageOptions) -> Stages:
-    """GDN: every stage a Pallas kernel, token-major."""
-    from jaxcp.pallas import grads, intra as pintra
+def _pallas_gdn_stages(o: StageOptions) -> Stages:
+    """GDN: every stage but the gate a Pallas kernel, token-major."""
+    from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
     kw = dict(interpret=o.interpret, precise=o.dot_dtype == "float32",
               normalize_qk=o.normalize_qk)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
-        return pintra.intra_chunk(q, k, v, g, beta, scale, layout, o.chunk_size,
-                                  with_inverse=with_inverse, out_dtype=jnp.dtype(o.dot_dtype),
-                                  **kw)
+        return gdn_intra.intra_chunk(q, k, v, g, beta, scale, layout, o.chunk_size,
+                                     with_inverse=with_inverse,
+                                     out_dtype=jnp.dtype(o.dot_dtype), **kw)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
-        return pintra.recompute_w_u(q, k, v, g, beta, layout, o.chunk_size, kept, **kw)
+        return gdn_intra.recompute_w_u(q, k, v, g, beta, layout, o.chunk_size, kept, **kw)
 
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
-        return grads.chunk_grads(q, k, v, g, beta, scale, layout, o.chunk_size, *rest, **kw)
+        return gdn_grads.chunk_grads(q, k, v, g, beta, scale, layout, o.chunk_size, *rest,
+                                     **kw)
 
-    return Stages(intra=intra, keep=pintra.kept_for_w_u, intra_again=intra_again,
-                  chunk_grads=chunk_grads, **_pallas_state_stages(o))
+    return Stages(gate=partial(xla.per_token_decay, gate=o.gate), intra=intra,
+                  keep=gdn_intra.kept_for_w_u, intra_again=intra_again, chunk_grads=chunk_grads,
+                  **_pallas_state_stages(o))
 
 
-def _pallas_channel_stages(o: StageOptions) -> Stages:
+def _pallas_kda_stages(o: StageOptions) -> Stages:
     """KDA: every stage a Pallas kernel, token-major, taking G. The forward keeps T and
-    attn; the backward computes w, u and the factor tiles again from T
-    (``intra_channel``), and its input cotangents read T (``grads_channel``)."""
-    from jaxcp.pallas import grads_channel, intra_channel
-    from jaxcp.pallas.common import Fp32Products
+    attn; the backward computes w, u and the factor tiles again from T (``kda.intra``),
+    and its input cotangents read T (``kda.grads``)."""
+    from jaxcp.pallas.triton.common.products import Fp32Products
+    from jaxcp.pallas.triton.kda import gate_cumsum, grads as kda_grads, intra as kda_intra
     precise = o.dot_dtype == "float32"
     products = Fp32Products.for_inputs(o.dot_dtype)
     # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
@@ -174,22 +186,27 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     kw = dict(normalize_qk=o.normalize_qk, interpret=o.interpret, precise=precise,
               tile_dtype=tile_dtype)
 
+    def gate(g, layout, activation=None):
+        A_log, dt_bias, lower_bound = activation or (None, None, None)
+        cfg = gate_cumsum.GateCumsum(o.chunk_size, layout.chunk_starts.shape[0],
+                                     activate=activation is not None,
+                                     lower_bound=lower_bound, interpret=o.interpret)
+        return gate_cumsum.chunk_gate(cfg, g, A_log, dt_bias, layout)
+
     def intra(q, k, v, G, beta, scale, layout, with_inverse=False):
-        return intra_channel.intra_chunk(q, k, v, G, beta, scale, layout,
-                                         with_inverse=with_inverse, gate_bound=o.gate_bound,
-                                         **kw)
+        return kda_intra.intra_chunk(q, k, v, G, beta, scale, layout,
+                                     with_inverse=with_inverse, gate_bound=o.gate_bound, **kw)
 
     def intra_again(q, k, v, G, beta, scale, layout, kept):
-        return intra_channel.recompute_terms(q, k, v, G, beta, scale, layout, kept, **kw)
+        return kda_intra.recompute_terms(q, k, v, G, beta, scale, layout, kept, **kw)
 
     # Products that keep fp32 tiles finer than bf16 for every input dtype (TF32 for bf16
     # inputs): with bf16 products, correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the
     # reference on the H100 (TF32: 2.8e-3; gpu_checks.md)
     def chunk_grads(q, k, v, G, beta, scale, layout, *rest):
-        return grads_channel.chunk_grads(q, k, v, G, beta, scale, layout, *rest,
-                                         gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
-                                         interpret=o.interpret, precise=True,
-                                         products=products)
+        return kda_grads.chunk_grads(q, k, v, G, beta, scale, layout, *rest,
+                                     gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
+                                     interpret=o.interpret, precise=True, products=products)
 
     # The state recurrences keep KDA's terms finer than bf16 for every input dtype (TF32
     # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
@@ -197,11 +214,11 @@ def _pallas_channel_stages(o: StageOptions) -> Stages:
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
     # (docs/precision.md).
     # o leaves in the inputs' dot dtype (bf16 for bf16 inputs), as the op returns it
-    # (launch configurations per kernel: ``StateBlocks.channel``)
+    # (launch configurations per kernel: ``StateBlocks.kda``)
     state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products,
                                  out_dtype=jnp.dtype(o.dot_dtype), tile_dtype=tile_dtype)
-    return Stages(intra=intra, keep=intra_channel.kept_for_terms, intra_again=intra_again,
-                  chunk_grads=chunk_grads, **state)
+    return Stages(gate=gate, intra=intra, keep=kda_intra.kept_for_terms,
+                  intra_again=intra_again, chunk_grads=chunk_grads, **state)
 
 
 # In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at
@@ -216,8 +233,8 @@ IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     #     backend   gate     token_major gate_cumsum normalize_max_k narrow_qk narrow_v build
     Implementation("xla", Gate.SCALAR, False, False, 0, False, False, _xla_stages),
     Implementation("xla", Gate.CHANNEL, False, False, 0, False, False, _xla_stages),
-    Implementation("pallas", Gate.SCALAR, True, False, 128, True, True, _pallas_scalar_stages),
-    Implementation("pallas", Gate.CHANNEL, True, True, 0, False, True, _pallas_channel_stages),
+    Implementation("pallas", Gate.SCALAR, True, False, 128, True, True, _pallas_gdn_stages),
+    Implementation("pallas", Gate.CHANNEL, True, True, 0, False, True, _pallas_kda_stages),
 )}
 
 

@@ -10,14 +10,11 @@ from jaxcp import xla
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
-from jaxcp.pallas import grads as pgrads
-from jaxcp.pallas import gate_cumsum
-from jaxcp.pallas import grads_channel as pgrads_channel
-from jaxcp.pallas import intra as pintra
-from jaxcp.pallas import intra_channel
-from jaxcp.pallas import state as pstate
-from jaxcp.pallas.common import Fp32Products, dots
-from jaxcp.pallas.config import ChunkBlocks, StateBlocks
+from jaxcp.pallas.triton.common import state as pstate
+from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
+from jaxcp.pallas.triton.common.products import Fp32Products, dots
+from jaxcp.pallas.triton.gdn import grads as pgdn_grads, intra as pgdn_intra
+from jaxcp.pallas.triton.kda import gate_cumsum, grads as pkda_grads, intra as pkda_intra
 from jaxcp.stages import stages_for
 from helpers import assert_rel, make_inputs, rel_err
 
@@ -197,14 +194,14 @@ def test_intra_chunk_gdn(C, layout_name, correlated):
     layout, chunks, _ = token_layout(T, C, cu)
     args = (q, k, v, g[..., None], beta)
     want = xla.intra_chunk(*map(chunks, args), 0.25, gate=Gate.SCALAR, with_inverse=True)
-    got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True)
-    assert pintra.intra_chunk(*args, 0.25, layout, C, interpret=True).inv is None
+    got = pgdn_intra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True)
+    assert pgdn_intra.intra_chunk(*args, 0.25, layout, C, interpret=True).inv is None
     assert float(jnp.abs(want.inv).max()) < 2.0
     assert_terms(plain(got, chunks), want, 1e-5)
     # the backward's terms: w, u and the k row factors again from what the forward kept
-    kept = pintra.kept_for_w_u(got)
+    kept = pgdn_intra.kept_for_w_u(got)
     assert kept.w is None and kept.u is None and kept.k_rows is None
-    again = pintra.recompute_w_u(*args, layout, C, kept, interpret=True)
+    again = pgdn_intra.recompute_w_u(*args, layout, C, kept, interpret=True)
     assert_terms(plain(again, chunks), want, 1e-5)
 
 
@@ -293,23 +290,23 @@ def kda_in_place(args):
 
 
 def kda_chunk_grads(args, terms, rest, **kw):
-    """pgrads_channel.chunk_grads on ``kda_in_place`` arguments of the chunk-layout args,
+    """pkda_grads.chunk_grads on ``kda_in_place`` arguments of the chunk-layout args,
     the cotangents brought back to the chunk layout (dG through the gate kernel's
     backward to dg)."""
     (q, k, v, G, beta), layout, gate_grad = kda_in_place(args)
     *rest, do = rest
     NT, C = G.shape[0], G.shape[3]
     chunked = lambda x: to_chunks(x, None, NT, C)
-    dq, dk, dv, dG, dbeta = pgrads_channel.chunk_grads(
+    dq, dk, dv, dG, dbeta = pkda_grads.chunk_grads(
         q, k, v, G, beta, 0.3, layout, terms, *rest, from_chunks(do, None, NT * C),
         interpret=True, **kw)
     return chunked(dq), chunked(dk), chunked(dv), gate_grad(dG), chunked(dbeta)
 
 
 def kda_intra(args, **kw):
-    """intra_channel.intra_chunk on ``kda_in_place`` arguments of the chunk-layout args."""
+    """pkda_intra.intra_chunk on ``kda_in_place`` arguments of the chunk-layout args."""
     pargs, layout, _ = kda_in_place(args)
-    return intra_channel.intra_chunk(*pargs, 0.3, layout, interpret=True, **kw)
+    return pkda_intra.intra_chunk(*pargs, 0.3, layout, interpret=True, **kw)
 
 
 @pytest.mark.parametrize("C, K, V", [(16, 16, 32), (64, 32, 16), (32, 128, 64)])
@@ -324,8 +321,8 @@ def test_intra_chunk_kda(C, K, V):
     assert_terms(got, want, 1e-5)
     # the backward's terms from the kept T and attn are the forward's, bit for bit
     pargs, layout, _ = kda_in_place(args)
-    again = intra_channel.recompute_terms(*pargs, 0.3, layout,
-                                          intra_channel.kept_for_terms(got), interpret=True)
+    again = pkda_intra.recompute_terms(*pargs, 0.3, layout,
+                                       pkda_intra.kept_for_terms(got), interpret=True)
     for name in got._fields:
         if getattr(got, name) is not None:
             np.testing.assert_array_equal(getattr(again, name), getattr(got, name), name)
@@ -384,13 +381,13 @@ def test_kda_sub_chunks_first_launch_order():
     the diagonal kernels go pair by pair on some sub-chunks."""
     flipped = lambda blocks: replace(blocks, sub_chunks_first=not blocks.sub_chunks_first)
     (q, k, _, G, beta), layout, _ = kda_in_place(kda_chunks(32, 32, 16, "mixed"))
-    sums = lambda **kw: intra_channel.gated_sums(q, k, G, beta, 0.3, layout, interpret=True,
+    sums = lambda **kw: pkda_intra.gated_sums(q, k, G, beta, 0.3, layout, interpret=True,
                                                  **kw)
     for a, b in zip(sums(diagonal_blocks=flipped(ChunkBlocks.sub_chunk())), sums()):
         np.testing.assert_array_equal(a, b)
     args, terms, rest = kda_grads_inputs(32, 32, 16, "mixed")
     want = kda_chunk_grads(args, terms, rest)
-    got = kda_chunk_grads(args, terms, rest, blocks=flipped(ChunkBlocks.channel_grads()))
+    got = kda_chunk_grads(args, terms, rest, blocks=flipped(ChunkBlocks.kda_grads()))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
@@ -426,7 +423,7 @@ def test_chunk_grads_kda(C, K, V):
 
 def test_kda_diagonal_blocks_as_products_or_pair_by_pair():
     """A sub-chunk whose G falls by at most 75 on every channel takes its diagonal block as
-    products, the others pair by pair (``channel.diagonal_fits``): with the sub-chunks
+    products, the others pair by pair (``gates.diagonal_fits``): with the sub-chunks
     alternating between gates near 0 and gates down to -30, the terms and the cotangents
     equal the XLA twin's, and neither path wrote the other's blocks."""
     args, _, rest = kda_grads_inputs(64, 32, 16, "mixed")
@@ -466,9 +463,9 @@ def test_kda_normalize_qk_in_kernels():
     got = kda_intra((*raw, *args[2:]), with_inverse=True, normalize_qk=True)
     assert_terms(got, want, 1e-5)
     pargs, layout, _ = kda_in_place((*raw, *args[2:]))
-    again = intra_channel.recompute_terms(*pargs, 0.3, layout,
-                                          intra_channel.kept_for_terms(got),
-                                          normalize_qk=True, interpret=True)
+    again = pkda_intra.recompute_terms(*pargs, 0.3, layout,
+                                       pkda_intra.kept_for_terms(got),
+                                       normalize_qk=True, interpret=True)
     assert_terms(again, want, 1e-5)
 
     (qn, kn), unit_vjp = jax.vjp(unit, *(x.astype(jnp.float32) for x in raw))
@@ -505,7 +502,7 @@ def test_chunk_grads_gdn(C, K, V, layout_name):
     args = (args[0], args[1] / 6) + args[2:]
     terms = xla.intra_chunk(*map(chunks, args), 0.25, gate=Gate.SCALAR, with_inverse=True)
     want = xla.chunk_grads(*map(chunks, args), 0.25, terms, *rest, chunks(do), gate=Gate.SCALAR)
-    got = pgrads.chunk_grads(*args, 0.25, layout, C, terms, *rest, do, interpret=True)
+    got = pgdn_grads.chunk_grads(*args, 0.25, layout, C, terms, *rest, do, interpret=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert_rel(a, tokens(b), 1e-5, name)
 
@@ -524,18 +521,18 @@ def test_normalize_qk_in_kernels(layout_name):
     chunked = tuple(map(chunks, args))
     want = xla.intra_chunk(*unit(*chunked[:2]), *chunked[2:], 0.25, gate=Gate.SCALAR,
                            with_inverse=True)
-    got = pintra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True,
+    got = pgdn_intra.intra_chunk(*args, 0.25, layout, C, with_inverse=True, interpret=True,
                              normalize_qk=True)
     assert_terms(plain(got, chunks), want, 1e-5)
-    again = pintra.recompute_w_u(*args, layout, C, pintra.kept_for_w_u(got), interpret=True,
-                                 normalize_qk=True)
+    again = pgdn_intra.recompute_w_u(*args, layout, C, pgdn_intra.kept_for_w_u(got),
+                                     interpret=True, normalize_qk=True)
     assert_terms(plain(again, chunks), want, 1e-5)
 
     (qn, kn), unit_vjp = jax.vjp(unit, *chunked[:2])
     dqn, dkn, *others = xla.chunk_grads(qn, kn, *chunked[2:], 0.25, want, *rest, chunks(do),
                                         gate=Gate.SCALAR)
     want_grads = (*unit_vjp((dqn, dkn)), *others)
-    got = pgrads.chunk_grads(*args, 0.25, layout, C, want, *rest, do, interpret=True,
+    got = pgdn_grads.chunk_grads(*args, 0.25, layout, C, want, *rest, do, interpret=True,
                              normalize_qk=True)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want_grads):
         assert_rel(a, tokens(b), 1e-5, name)
@@ -555,7 +552,7 @@ def test_state_kernels_read_tokens_in_place(layout_name, device):
     n_states = 1 if cu is None else len(cu) - 1
     q, k, v, g, beta, h0 = make_inputs("gdn", 1, T, 2, 2, K, V, n_states=n_states)
     layout, chunks, tokens = token_layout(T, C, cu, device, device + 1)
-    factored = pintra.intra_chunk(q, k / 6, v, g[..., None], beta, 0.25, layout, C,
+    factored = pgdn_intra.intra_chunk(q, k / 6, v, g[..., None], beta, 0.25, layout, C,
                                   interpret=True)
     tiles = plain(factored, chunks)
     do = jnp.asarray(np.random.default_rng(7).standard_normal(v.shape), jnp.float32)
@@ -635,7 +632,7 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
                                              ("float32", Fp32Products.TF32X3)])
 def test_kda_stages_pick_precise_products(dtype, products):
     """KDA's Pallas state recurrences take float32 terms at TF32 for bf16 inputs and 3xTF32
-    for fp32 ones, each kernel at its launch configuration (``StateBlocks.channel``)."""
+    for fp32 ones, each kernel at its launch configuration (``StateBlocks.kda``)."""
     st = stages_for("pallas", Gate.CHANNEL, dtype)
     for stage in (st.state_output, st.state_fwd, st.state_bwd, st.cp_summary):
         assert stage.keywords["products"] is products
@@ -648,12 +645,12 @@ def test_kda_state_blocks_keep_the_grid_full():
     """state_bwd takes 64 state columns (8 warps) only where that still launches FULL_GRID
     programs; state_fwd takes 16 at K = 256; the others 32."""
     wide = StateBlocks(block_cols=64, num_warps=8)
-    assert StateBlocks.channel("state_bwd", 128, 128, 64) == wide
-    assert StateBlocks.channel("state_bwd", 128, 128, 8) == StateBlocks(block_cols=32)
-    assert StateBlocks.channel("state_bwd", 256, 256, 64) == StateBlocks(block_cols=32)
-    assert StateBlocks.channel("state_fwd", 256, 256, 16) == StateBlocks(block_cols=16)
-    assert StateBlocks.channel("state_fwd", 128, 128, 64) == StateBlocks(block_cols=32)
-    assert StateBlocks.channel("state_output", 128, 128, 64) == StateBlocks(block_cols=32)
+    assert StateBlocks.kda("state_bwd", 128, 128, 64) == wide
+    assert StateBlocks.kda("state_bwd", 128, 128, 8) == StateBlocks(block_cols=32)
+    assert StateBlocks.kda("state_bwd", 256, 256, 64) == StateBlocks(block_cols=32)
+    assert StateBlocks.kda("state_fwd", 256, 256, 16) == StateBlocks(block_cols=16)
+    assert StateBlocks.kda("state_fwd", 128, 128, 64) == StateBlocks(block_cols=32)
+    assert StateBlocks.kda("state_output", 128, 128, 64) == StateBlocks(block_cols=32)
 
 
 def test_bf16x3_products_keep_16_bits():

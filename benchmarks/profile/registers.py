@@ -8,7 +8,7 @@ info that jax would read off a device is H100's), compiled by triton for sm_90 a
 warps and pipeline stages, and its PTX assembled by triton's ptxas -v (its counts agreed
 with `ncu`'s on the H100 where both were read). One configuration serves every kernel of a
 run; the shipped ones are ``ChunkBlocks.default`` (3 stages) for the forward and
-``ChunkBlocks.channel_grads`` (2 stages) for the cotangents. This reads private jax modules
+``ChunkBlocks.kda_grads`` (2 stages) for the cotangents. This reads private jax modules
 (the Triton lowering and its GPU info), so it follows the jax version it was written for
 (0.11.2 and 0.12).
 """
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
             _parser().error(f"--{flag.replace('_', '-')} must be positive")
     if args.K % args.col_block and args.col_block < args.K:
         _parser().error("--col-block must divide --K")
-    from jaxcp.pallas.channel import MIN_GATE_BOUND, check_gate_bound, unit_row_scales
+    from jaxcp.pallas.triton.common.unit_rows import operand_row_scales
+    from jaxcp.pallas.triton.kda.gates import MIN_GATE_BOUND, check_gate_bound
     try:
         check_gate_bound(args.gate_bound)
     except ValueError:
@@ -108,9 +109,9 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     from jaxcp.layout import build_layout
-    from jaxcp.pallas import grads_channel, intra_channel
-    from jaxcp.pallas.common import Fp32Products
-    from jaxcp.pallas.config import ChunkBlocks
+    from jaxcp.pallas.triton.common.launch import ChunkBlocks
+    from jaxcp.pallas.triton.common.products import Fp32Products
+    from jaxcp.pallas.triton.kda import grads as kda_grads, intra as kda_intra
     from jaxcp.terms import ChunkTerms
 
     blocks = ChunkBlocks(col_block=args.col_block, num_warps=args.warps,
@@ -124,17 +125,17 @@ def main(argv=None) -> int:
     layout, _ = build_layout(B, T, C, None, 0, T)
     products = Fp32Products.for_inputs(args.dtype)
     scale = K ** -0.5
-    rows = lambda q, k: unit_row_scales(q, k, args.normalize_qk)
+    rows = lambda q, k: operand_row_scales(q, k, args.normalize_qk)
     programs = {
-        "forward gated sums": (lambda q, k, G, beta: intra_channel.gated_sums(
+        "forward gated sums": (lambda q, k, G, beta: kda_intra.gated_sums(
             q, k, G, beta, scale, layout, gate_bound=args.gate_bound, precise=False,
             blocks=blocks, diagonal_blocks=blocks, **rows(q, k)),
             (token, token, tile, token_vec)),
-        "forward terms": (lambda q, k, v, G, beta, a: intra_channel.wy_terms(
+        "forward terms": (lambda q, k, v, G, beta, a: kda_intra.wy_terms(
             q, k, v, G, beta, scale, layout, a=a, precise=False, blocks=blocks,
             with_inverse=True, **rows(q, k)), (token, token, token, tile, token_vec, square)),
         "cotangents": (lambda q, k, v, G, beta, w, u, inv, h, v_new, x, dvn, do:
-                       grads_channel.chunk_grads(
+                       kda_grads.chunk_grads(
                            q, k, v, G, beta, scale, layout,
                            ChunkTerms(w, u, None, None, None, None, inv), h, v_new, x, dvn, do,
                            gate_bound=args.gate_bound, precise=True, products=products,

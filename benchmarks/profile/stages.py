@@ -59,11 +59,10 @@ def main(argv=None):
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
-    from jaxcp.pallas.config import ChunkBlocks, StateBlocks
+    from jaxcp.pallas.triton.common import state as pstate
+    from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
+    from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
     from jaxcp.stages import implementation
-    from jaxcp.pallas import grads as pgrads
-    from jaxcp.pallas import intra as pintra
-    from jaxcp.pallas import state as pstate
 
     if args.op == "kda":
         return _profile_kda(args, cu)
@@ -92,13 +91,13 @@ def main(argv=None):
         q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
     token_args = (q, k, v, g, beta)
     pallas = dict(interpret=args.interpret, normalize_qk=norm_inside)
-    intra = partial(pintra.intra_chunk, scale=scale, layout=layout, chunk_size=C, precise=False,
+    intra = partial(gdn_intra.intra_chunk, scale=scale, layout=layout, chunk_size=C, precise=False,
                     out_dtype=bf16, **pallas)
     timed("intra_chunk", lambda *xs: intra(*xs), *token_args)
     terms = timed("intra_chunk keeping the inverse (forward under grad)",
                   lambda *xs: intra(*xs, with_inverse=True), *token_args)
-    timed("recompute_w_u (backward)", lambda kept, *xs: pintra.recompute_w_u(
-        *xs, layout, C, kept, precise=False, **pallas), pintra.kept_for_w_u(terms),
+    timed("recompute_w_u (backward)", lambda kept, *xs: gdn_intra.recompute_w_u(
+        *xs, layout, C, kept, precise=False, **pallas), gdn_intra.kept_for_w_u(terms),
         *token_args)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
     kw = dict(gate=Gate.SCALAR, dot_dtype=bf16, interpret=args.interpret, token_major=True)
@@ -110,8 +109,8 @@ def main(argv=None):
     do = r(1, T, H, D)
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
         t, layout, d, None, h0, **kw), terms, do)
-    grads = lambda *xs, blocks=None: pgrads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:],
-                                                        precise=False, blocks=blocks, **pallas)
+    grads = lambda *xs, blocks=None: gdn_grads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:],
+                                                           precise=False, blocks=blocks, **pallas)
     timed("chunk_grads", grads, *token_args, terms, h, vn, x, dvn, do)
     _cp_rows(timed, partial(pstate.cp_summary, **kw), partial(pstate.state_bwd, **kw),
              terms, layout, do, h0)
@@ -126,9 +125,9 @@ def main(argv=None):
         qk = (raw_q, raw_k) if other["normalize_qk"] else (l2(raw_q), l2(raw_k))
         flipped = qk + token_args[2:]
         how = "normalising q, k" if other["normalize_qk"] else "on q, k normalised by XLA"
-        timed(f"variant: intra_chunk {how}", lambda *xs: pintra.intra_chunk(
+        timed(f"variant: intra_chunk {how}", lambda *xs: gdn_intra.intra_chunk(
             *xs, scale, layout, C, precise=False, out_dtype=bf16, **other), *flipped)
-        timed(f"variant: chunk_grads {how}", lambda *xs: pgrads.chunk_grads(
+        timed(f"variant: chunk_grads {how}", lambda *xs: gdn_grads.chunk_grads(
             *xs[:5], scale, layout, C, *xs[5:], precise=False, **other),
             *flipped, terms, h, vn, x, dvn, do)
         for bv in (32, 16):
@@ -205,8 +204,7 @@ def _profile_kda(args, cu):
     from benchmarks.timing import forward_backward
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
-    from jaxcp.layout import build_layout, num_chunks
-    from jaxcp.pallas.gate_cumsum import GateCumsum, chunk_gate
+    from jaxcp.layout import build_layout
     from jaxcp.stages import implementation, stages_for
 
     T, H, D, C = args.T, args.H, args.D, 64
@@ -221,12 +219,10 @@ def _profile_kda(args, cu):
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32)).astype(jnp.bfloat16)
     cu_seqlens = None if cu is None else jnp.asarray(cu, jnp.int32)
     layout, _ = build_layout(1, T, C, cu_seqlens, 0, T)
-    NT = num_chunks(T, C, None if cu is None else len(cu) - 1)
     scale = D ** -0.5
     rows = []
     timed = partial(_timed, rows, args.iters)
-    gate_cumsum = lambda g: chunk_gate(GateCumsum(C, NT, interpret=args.interpret), g, None,
-                                       None, layout)
+    gate_cumsum = lambda g: st.gate(g, layout)
 
     def normed(q, k, v, beta):
         f32 = lambda x: x.astype(jnp.float32)
@@ -282,10 +278,10 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
 
     import jax.numpy as jnp
     from jaxcp.gate import Gate
-    from jaxcp.pallas import grads_channel, intra_channel
-    from jaxcp.pallas import state as pstate
-    from jaxcp.pallas.common import Fp32Products
-    from jaxcp.pallas.config import ChunkBlocks, StateBlocks
+    from jaxcp.pallas.triton.common import state as pstate
+    from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
+    from jaxcp.pallas.triton.common.products import Fp32Products
+    from jaxcp.pallas.triton.kda import grads as kda_grads, intra as kda_intra
 
     def variant(name, fn, *a):
         timed_variant("variant: " + name, fn, *a)
@@ -300,7 +296,7 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         return (f"{name} in the grid",
                 replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
 
-    sums = lambda blocks=None, diagonal_blocks=None: lambda *a: intra_channel.gated_sums(
+    sums = lambda blocks=None, diagonal_blocks=None: lambda *a: kda_intra.gated_sums(
         *a, scale, layout, precise=False, blocks=blocks, diagonal_blocks=diagonal_blocks,
         interpret=interpret)
     variant("gated sums as shipped", sums(), q, k, G, beta)
@@ -314,11 +310,11 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         variant(f"gated sums diagonal {how}", sums(diagonal_blocks=b), q, k, G, beta)
     for how, b in [chunk_blocks(*c) for c in ((64, 4, 3), (64, 8, 1), (64, 8, 2), (64, 4, 1),
                                                (32, 4, 2), (32, 8, 1))]:
-        variant(f"intra, wy_terms {how}", lambda *a, b=b: intra_channel.intra_chunk(
+        variant(f"intra, wy_terms {how}", lambda *a, b=b: kda_intra.intra_chunk(
             *a, scale, layout, precise=False, blocks=b, tile_dtype=terms.w.dtype,
             interpret=interpret), *xs)
     # the gate bound of safe_gate (lower_bound -5), on the gates clipped to it
-    variant("gated sums with gate bound -5", lambda *a: intra_channel.gated_sums(
+    variant("gated sums with gate bound -5", lambda *a: kda_intra.gated_sums(
         *a, scale, layout, gate_bound=-5.0, precise=False, interpret=interpret),
         q, k, bounded, beta)
     # the products the stage table picks for bf16 inputs, unless a row says otherwise
@@ -327,18 +323,18 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     names = {Fp32Products.TF32X3: "3xTF32", Fp32Products.BF16X3: "3xBF16"}
     other_products = [(f"with {name} products", p) for p, name in names.items()
                       if p is not products]
-    variant("chunk_grads with gate bound -5", lambda *a: grads_channel.chunk_grads(
+    variant("chunk_grads with gate bound -5", lambda *a: kda_grads.chunk_grads(
         *a[:5], scale, layout, *a[5:], gate_bound=-5.0, **as_shipped),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
     grads = lambda blocks=None, across_blocks=None, p=products: lambda *a: (
-        grads_channel.chunk_grads(*a[:5], scale, layout, *a[5:], blocks=blocks,
-                                  across_blocks=across_blocks, products=p,
-                                  interpret=interpret))
+        kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:], blocks=blocks,
+                              across_blocks=across_blocks, products=p,
+                              interpret=interpret))
     grads_inputs = (*xs, terms, h, vn, x, dvn, do)
     for how, b in [chunk_blocks(*c) for c in ((32, 2, 2), (32, 4, 2), (64, 4, 1), (64, 4, 2),
                                                (64, 8, 2), (128, 4, 2), (128, 8, 1))]:
         variant(f"chunk_grads across sub-chunks {how}", grads(across_blocks=b), *grads_inputs)
-    for how, b in [chunk_blocks(64, 4, 1), other_launch_order(ChunkBlocks.channel_grads())]:
+    for how, b in [chunk_blocks(64, 4, 1), other_launch_order(ChunkBlocks.kda_grads())]:
         variant(f"chunk_grads {how}", grads(blocks=b), *grads_inputs)
     for how, p in other_products:
         variant(f"chunk_grads {how}", grads(p=p), *grads_inputs)
@@ -346,13 +342,13 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     normed_kw = dict(normalize_qk=True, interpret=interpret)
     raw_xs = (*raw, *xs[3:])
     variant("intra with the norm in the kernels (raw bf16 q, k, v)", lambda *a: (
-        intra_channel.intra_chunk(*a, scale, layout, precise=False, **normed_kw)), *raw_xs)
+        kda_intra.intra_chunk(*a, scale, layout, precise=False, **normed_kw)), *raw_xs)
     variant("intra_again with the norm in the kernels", lambda *a: (
-        intra_channel.recompute_terms(*a, scale, layout, intra_channel.kept_for_terms(terms),
-                                      precise=False, **normed_kw)), *raw_xs)
+        kda_intra.recompute_terms(*a, scale, layout, kda_intra.kept_for_terms(terms),
+                                  precise=False, **normed_kw)), *raw_xs)
     variant("chunk_grads with the norm in the kernels (its vjp by XLA)", lambda *a: (
-        grads_channel.chunk_grads(*a[:5], scale, layout, *a[5:],
-                                  **dict(normed_kw, **as_shipped))),
+        kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:],
+                              **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
     kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=True,
               tile_dtype=terms.w.dtype, **as_shipped)

@@ -8,9 +8,9 @@ and its backward.
               dg = dy dy/dx,  dA_log = sum dy dy/dA_log,  ddt_bias = sum dg
 
 g [B, T, HV, K] is read where the caller has it (chunk c at the layout's rows,
-``pallas.tokens``; rows past the chunk's tokens are padding, y = 0 there), G is written in
+``chunk_rows``; rows past the chunk's tokens are padding, y = 0 there), G is written in
 the chunk layout [NT, B, HV, C, K] float32: the KDA kernels read G at rows they cannot
-slice out of a register tile (``pallas.channel``), and padding rows hold the chunk's last
+slice out of a register tile (``gates``), and padding rows hold the chunk's last
 G, as a cumsum of zeros does. One program per (chunk, batch, head, block of columns). The
 forward scans its [C, bk] tile with ``jnp.cumsum``. The backward's reverse cumsum is a product with
 the upper triangle of ones (Triton has no reverse scan): dy_s sums only the rows at and
@@ -36,10 +36,10 @@ from jax.experimental import pallas as pl
 
 from jaxcp.gate import decay_terms
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.common import (Operands, add_chunk_rows, call, fp32_precision, named,
-                                 refs_type, rows_of_chunk)
-from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.tokens import slab_spec
+from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
+from jaxcp.pallas.triton.common.chunk_rows import add_chunk_rows, program_rows, slab_spec
+from jaxcp.pallas.triton.common.launch import ChunkBlocks
+from jaxcp.pallas.triton.common.products import fp32_precision
 from jaxcp.vma import match_cotangent
 
 # columns per program: a [64, 64] float32 tile is 32 registers per thread at 4 warps
@@ -72,7 +72,7 @@ def _decay(r, x, cfg: GateCumsum):
 
 def _forward_kernel(*refs, names, cfg: GateCumsum):
     r = named(_Refs, names, refs)
-    rows = rows_of_chunk(r, cfg.chunk_size)
+    rows = program_rows(r, cfg.chunk_size)
     y = rows.load(r.g).astype(jnp.float32)
     if cfg.activate:
         y = _decay(r, y, cfg).decay
@@ -85,7 +85,7 @@ def _forward_kernel(*refs, names, cfg: GateCumsum):
 def _backward_kernel(*refs, names, cfg: GateCumsum):
     r = named(_Refs, names, refs)
     C = cfg.chunk_size
-    rows = rows_of_chunk(r, C)
+    rows = program_rows(r, C)
     at_or_after = (lax.broadcasted_iota(jnp.int32, (C, C), 1)
                    >= lax.broadcasted_iota(jnp.int32, (C, C), 0)).astype(jnp.float32)
     dy = jnp.dot(at_or_after, r.dG[...], preferred_element_type=jnp.float32,

@@ -1,4 +1,4 @@
-"""Token-major tensors inside the Pallas kernels: chunks read and written in place.
+"""The reader of a chunk's rows: token-major tensors read and written in place, or chunks.
 
 A token tensor x [B, T, HV, d] (or [B, T, HV] for g, beta and their cotangents) is handed
 to a kernel as the [T, d] (or [T]) slab of one (batch, head); chunk c of that slab is its
@@ -17,12 +17,18 @@ tiles "loose": unmasked, the rows past count_c holding the tokens that follow (r
 T repeat row T - 1). Those rows then add exact zeros, so the results are those of masked
 loads, as long as the products stay finite: an inf in the next sequence, or values so
 large that its products overflow float32, would reach this one as 0 * inf (that sequence's
-own results are not finite then either). The intra kernel does: its [C, d] load masks
+own results are not finite then either). GDN's intra kernel does: its [C, d] load masks
 cost it registers that it spilled on the H200 (0.3 ms of 2.7 at T = 32768, H = 64).
+
+One reader serves every kernel. ``ChunkRows`` says where a chunk's rows are in a slab
+(``program_rows`` for the chunk of a per-chunk program, ``loop_rows`` for step i of a loop
+over the chunks); ``ChunkRef`` reads and writes a chunk's [C, d] tile with the indexing of
+the chunk-layout block it stands for, from the token slab at those rows or, given no rows,
+from a chunk-layout block itself.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,52 +105,23 @@ class ChunkRows(NamedTuple):
             pltriton.store(at, value.astype(ref.dtype), mask=self._mask(shape))
 
 
-class Tile(NamedTuple):
-    """A chunk's [C, d] tile (or [C] vector) behind one interface: a block ref of the chunk
-    layout (rows None) or the chunk's rows of a token slab, read loose if asked
-    (``ChunkRows.load``)."""
-    ref: object
-    rows: ChunkRows | None = None
-    loose: bool = False
+class ChunkRef:
+    """A chunk's [C, d] tile (or [C] vector), read and written with the indexing of a
+    chunk-layout block: x[rows, cols] with rows all (:) or a ``pl.ds`` inside the chunk and
+    cols a slice or a ``pl.ds`` (or absent), or by blocks of n columns (``cols``,
+    ``set_cols``). Behind it, a block ref of the chunk layout (rows None), or a token slab
+    [T, d] (or [T]) and the chunk's ``ChunkRows`` in it: loads give zeros in the rows past
+    the chunk's tokens (loose: the tokens that follow, ``ChunkRows.load``) and stores skip
+    them, so a kernel written for the chunk layout runs on the tokens in place."""
+
+    def __init__(self, ref, rows: ChunkRows | None = None, *, loose: bool = False):
+        self.ref, self.rows, self.loose = ref, rows, loose
+        self.shape = tuple(ref.shape) if rows is None else (rows.size,) + tuple(ref.shape[1:])
+        self.dtype = ref.dtype
 
     @property
     def width(self) -> int:
-        return self.ref.shape[-1]
-
-    def cols(self, j: int, n: int) -> jax.Array:
-        """Columns [j n, (j + 1) n) as stored."""
-        if self.rows is None:
-            return self.ref[:, pl.ds(j * n, n)]
-        return self.rows.load(self.ref, (j * n, n), loose=self.loose)
-
-    def all(self) -> jax.Array:
-        """The whole tile (or vector) as stored."""
-        return self.ref[...] if self.rows is None else self.rows.load(self.ref, loose=self.loose)
-
-    def set_cols(self, j: int, n: int, value: jax.Array) -> None:
-        if self.rows is None:
-            self.ref[:, pl.ds(j * n, n)] = value.astype(self.ref.dtype)
-        else:
-            self.rows.store(self.ref, value, (j * n, n))
-
-    def set_all(self, value: jax.Array) -> None:
-        if self.rows is None:
-            self.ref[...] = value.astype(self.ref.dtype)
-        else:
-            self.rows.store(self.ref, value)
-
-
-class ChunkRef:
-    """A chunk's rows of a token slab [T, d] (or [T]), read and written with the indexing of
-    the chunk-layout block [C, d] (or [C]) it stands for: x[rows, cols] with rows a slice of
-    all C rows or a ``pl.ds`` inside the chunk, cols a slice or ``pl.ds`` (or absent).
-    Loads give zeros in the rows past the chunk's tokens and stores skip them
-    (``ChunkRows``), so a kernel written for the chunk layout runs on the tokens in place."""
-
-    def __init__(self, ref, rows: ChunkRows):
-        self.ref, self.rows = ref, rows
-        self.shape = (rows.size,) + tuple(ref.shape[1:])
-        self.dtype = ref.dtype
+        return self.shape[-1]
 
     def _rows_cols(self, index) -> tuple[ChunkRows, tuple | None]:
         """The indexed rows as ``ChunkRows`` and the columns as (first, n), or None for
@@ -163,12 +140,31 @@ class ChunkRef:
         return rows, None if isinstance(col, slice) else (col.start, col.size)
 
     def __getitem__(self, index):
+        if self.rows is None:
+            return self.ref[index]
         rows, cols = self._rows_cols(index)
-        return rows.load(self.ref, cols)
+        return rows.load(self.ref, cols, loose=self.loose)
 
     def __setitem__(self, index, value):
-        rows, cols = self._rows_cols(index)
-        rows.store(self.ref, value, cols)
+        if self.rows is None:
+            self.ref[index] = value.astype(self.ref.dtype)
+        else:
+            rows, cols = self._rows_cols(index)
+            rows.store(self.ref, value, cols)
+
+    def cols(self, j: int, n: int) -> jax.Array:
+        """Columns [j n, (j + 1) n) as stored."""
+        return self[:, pl.ds(j * n, n)]
+
+    def set_cols(self, j: int, n: int, value: jax.Array) -> None:
+        self[:, pl.ds(j * n, n)] = value
+
+    def all(self) -> jax.Array:
+        """The whole tile (or vector) as stored."""
+        return self[...]
+
+    def set_all(self, value: jax.Array) -> None:
+        self[...] = value
 
 
 def chunk_refs(refs, rows: ChunkRows, names: tuple[str, ...]):
@@ -176,3 +172,48 @@ def chunk_refs(refs, rows: ChunkRows, names: tuple[str, ...]):
     takes and the call has read and written as the chunk's rows (``ChunkRef``)."""
     return refs._replace(**{name: ChunkRef(getattr(refs, name), rows) for name in names
                             if getattr(refs, name, None) is not None})
+
+
+def program_rows(refs, C: int, chunk_axis: int = 0) -> ChunkRows:
+    """The rows of this program's chunk (grid axis chunk_axis) in the token slabs: from the
+    refs' token_start, token_count [1, 1] when the layout has a table, else c C on."""
+    if refs.token_start is None:
+        return ChunkRows(pl.program_id(chunk_axis) * C, None, C)
+    return ChunkRows(refs.token_start[0, 0], refs.token_count[0, 0], C)
+
+
+def loop_rows(refs, C: int, i) -> ChunkRows:
+    """The rows of chunk i in the token slabs, for a program that loops over the chunks:
+    from the refs' token_start, token_count [NT] when the layout has a table, else i C on."""
+    if refs.token_start is None:
+        return ChunkRows(i * C, None, C)
+    return ChunkRows(refs.token_start[i], refs.token_count[i], C)
+
+
+class ChunkSpecs(NamedTuple):
+    """BlockSpecs of a grid over (chunk, batch, head): `tile(d)` and `vec` for chunk terms
+    [NT, B, HV, C, d] and [NT, B, HV, C]; `token(d)` for the slab of a token tensor
+    [B, T, HV, d] (d None: [B, T, HV]); `chunk_rows` for the layout's token_start and
+    token_count [NT, B]; `scalar` for [NT, B, HV]."""
+    tile: Callable
+    vec: pl.BlockSpec
+    token: Callable
+    chunk_rows: pl.BlockSpec
+    scalar: pl.BlockSpec
+
+
+def chunk_specs(C: int, T: int) -> ChunkSpecs:
+    return ChunkSpecs(
+        tile=lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h: (t, b, h, 0, 0)),
+        vec=pl.BlockSpec((None, None, None, C), lambda t, b, h: (t, b, h, 0)),
+        token=lambda d: slab_spec(T, d, lambda t, b, h: (b, h, 0)),
+        chunk_rows=pl.BlockSpec((1, 1), lambda t, b, h: (t, b)),
+        scalar=pl.BlockSpec((None, None, None), lambda t, b, h: (t, b, h)),
+    )
+
+
+def add_chunk_rows(ins, sp: ChunkSpecs, layout) -> None:
+    """The layout's token_start, token_count as inputs, when it places chunks by table."""
+    if layout.token_start is not None:
+        ins.add("token_start", sp.chunk_rows, layout.token_start)
+        ins.add("token_count", sp.chunk_rows, layout.token_count)

@@ -1,11 +1,12 @@
-"""Pallas (Triton-lowered) chunk state recurrences: the sequential part of the delta rule.
+"""Pallas (Triton-lowered) chunk state recurrences of both gates (the ``gate`` argument:
+GDN's scalar decay or KDA's per-channel one): the sequential part of the delta rule.
 
 Twins of ``jaxcp.xla.state`` with the same signatures and layout: chunks on axis 0, then
 batch B and value heads HV; w, kd [NT, B, HV, C, K], u [NT, B, HV, C, V], decay
 [NT, B, HV, Kg] with Kg = ``gate.width(K)``; layout fields [NT, B]; states [B, HV, K, V] float32. In addition,
 with token_major, ``state_output``'s o, ``state_bwd``'s do and the bare q, k of row-factored
 terms (GDN's; KDA's terms are plain) are token-major, [B, T, HV, ...], chunk c at the rows
-``layout.token_start[c]`` on (c C without a table; ``jaxcp.pallas.tokens``).
+``layout.token_start[c]`` on (c C without a table; ``chunk_rows``).
 
 One program per (batch, value head, block of BV state columns, ``StateBlocks``) runs a fori_loop over the
 chunks with its [K, BV] slice of the state in fp32 registers:
@@ -33,6 +34,7 @@ where any sequence starts.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -42,11 +44,12 @@ from jax.experimental import pallas as pl
 
 from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.common import Fp32Products, Operands, call, dot, named, refs_type
-from jaxcp.pallas.config import StateBlocks
-from jaxcp.pallas.tokens import ChunkRows, has_table, slab_spec
-from jaxcp.vma import vary_like
+from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
+from jaxcp.pallas.triton.common.chunk_rows import ChunkRows, has_table, loop_rows, slab_spec
+from jaxcp.pallas.triton.common.launch import StateBlocks
+from jaxcp.pallas.triton.common.products import Fp32Products, dot
 from jaxcp.terms import ChunkTerms
+from jaxcp.vma import vary_like
 
 
 def _scale_rows(x, rows_ref, i):
@@ -90,34 +93,15 @@ def _span_loop(span_ref, nt: int, body, init):
     return lax.fori_loop(first, nt, body, jnp.where(first == 0, init, 0.0))
 
 
-class _TokenRows(NamedTuple):
-    """Where the chunks of the token slabs are: the layout's token_start, token_count refs
-    [NT], or None (chunk i is the rows [i C, (i + 1) C))."""
-    start_ref: object | None
-    count_ref: object | None
-    size: int
-
-    def at(self, i) -> ChunkRows:
-        if self.start_ref is None:
-            return ChunkRows(i * self.size, None, self.size)
-        return ChunkRows(self.start_ref[i], self.count_ref[i], self.size)
-
-    def load(self, ref, i):
-        """Chunk i of a token slab [T, d], zero past its tokens."""
-        return self.at(i).load(ref)
-
-    def store(self, ref, i, value):
-        self.at(i).store(ref, value)
+def _token_rows(r, token_major: bool, C: int) -> Callable[..., ChunkRows] | None:
+    """Chunk i -> its rows in the token slabs (``chunk_rows.loop_rows`` of the refs r), or
+    None where the kernel reads the chunk layout (not token_major)."""
+    return partial(loop_rows, r, C) if token_major else None
 
 
-def _token_rows(r, token_major: bool, C: int) -> _TokenRows | None:
-    """The _TokenRows of a kernel whose refs r may hold the layout's table (token_major)."""
-    return _TokenRows(r.token_start, r.token_count, C) if token_major else None
-
-
-def _chunk_of(ref, i, rows: _TokenRows | None):
+def _chunk_of(ref, i, rows: Callable[..., ChunkRows] | None):
     """Chunk i of a chunk-layout block [NT, C, d] (rows None) or of a token slab."""
-    return ref[i] if rows is None else rows.load(ref, i)
+    return ref[i] if rows is None else rows(i).load(ref)
 
 
 def _decay(dec_ref, i, gate: Gate):
@@ -187,7 +171,7 @@ def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_
            tokens: int | None = None) -> _Call:
     """The _Call of kernel `kernel` over `cols` state columns (token_major: o or do, and
     the bare q, k of row-factored terms, are [B, T, HV, ...]; T is the bare q's length, or
-    tokens for plain terms). blocks None: ``StateBlocks.channel`` of the kernel for the
+    tokens for plain terms). blocks None: ``StateBlocks.kda`` of the kernel for the
     per-channel gate, ``StateBlocks.default`` for the scalar one."""
     NT, B, HV, C, K = terms.w.shape
     if terms.decay.shape[-1] != gate.width(K):
@@ -195,7 +179,7 @@ def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_
                          f"{gate.value} gate (width {gate.width(K)})")
     factored = terms.k_rows is not None
     if blocks is None:
-        blocks = (StateBlocks.channel(kernel, K, cols, B * HV) if gate is Gate.CHANNEL
+        blocks = (StateBlocks.kda(kernel, K, cols, B * HV) if gate is Gate.CHANNEL
                   else StateBlocks.default(K, dot_dtype))
     BV = blocks.cols(cols)
     T = None
@@ -251,7 +235,7 @@ def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, pro
             if rows is None:
                 r.o[i] = o.astype(r.o.dtype)
             else:
-                rows.store(r.o, i, o)
+                rows(i).store(r.o, o)
         out = (_decay(r.decay, i, gate) * state
                + mul(_chunk_of(r.kd, i, qk_rows).T, _scale_rows(v_new, r.k_rows, i)))
         if r.finals is not None:
@@ -273,9 +257,9 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
-    bf16 parts each (``common.dot``); span ([B], ``_span_loop``): loop over those chunks
+    bf16 parts each (``products.dot``); span ([B], ``_span_loop``): loop over those chunks
     only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
-    state (``common.Fp32Products``); tile_dtype, tokens, out_dtype: as in
+    state (``products.Fp32Products``); tile_dtype, tokens, out_dtype: as in
     ``state_output``. Returns the outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
     tile_dtype = tile_dtype or dot_dtype
@@ -335,7 +319,7 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, toke
     reads w, kd, qg and attn in (dot_dtype if None; u, the states and v_new stay in
     dot_dtype). float16 with float32
     dot_dtype and TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at
-    half the bytes, for terms whose magnitudes fit float16 (``common.dot``). tokens: T,
+    half the bytes, for terms whose magnitudes fit float16 (``products.dot``). tokens: T,
     the length of a token-major o from plain terms (KDA's; row-factored terms carry it)."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                        interpret=interpret, dot_dtype=dot_dtype, with_output=True,
@@ -382,7 +366,7 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
     """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). S_ext takes
     `products` and tile_dtype (``state_output``); M, which chains the states of all devices
     before, stays fp32-accurate: the tiles in dot_dtype, bf16 ones meeting it (and v_new) as
-    two bf16 parts (``common.dot``), fp32 ones at 3xTF32.
+    two bf16 parts (``products.dot``), fp32 ones at 3xTF32.
     unused (bool scalar, the last device's summary): no chunk is run and both are zero."""
     NT, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]

@@ -4,13 +4,13 @@ per (chunk, batch, head), then one with one program per (chunk, batch, head, sub
 reverse cumsum (and the gate activation's backward) is ``gate_cumsum.chunk_gate``'s.
 
 Twin of ``jaxcp.xla.grads.chunk_grads`` for the per-channel gate (``Gate.CHANNEL``). Inputs,
-the token tensors read in place at the layout's rows (``pallas.tokens``): q, k
+the token tensors read in place at the layout's rows (``chunk_rows``): q, k
 [B, T, HV, K], v, do [B, T, HV, V], beta [B, T, HV]; in the chunk layout: G [NT, B, HV,
 C, K]; the terms w [.., C, K], u [.., C, V] and T = (I + A)^-1 [.., C, C]; from the
 recurrences h (state entering each chunk) and X = dL/dS_out [NT, B, HV, K, V], v_new and
 dvn = dL/dv_new [.., C, V]. With G = cumsum(g) per channel, E_ijd = exp(G_id - G_jd),
 Xk = beta exp(G) k (w = T Xk, u = T (beta v)) and the gated row and column sums of
-``pallas.channel`` (rows(M, y)_id = sum_{j<i} M_ij y_jd E_ijd,
+``gates`` (rows(M, y)_id = sum_{j<i} M_ij y_jd E_ijd,
 cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
 
     1. (``_inter_kernel``) Mq = scale lower(do v_new^T) (diagonal included, stored);
@@ -32,30 +32,35 @@ cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
          dG += q o Rq - k o Cq + beta k o R - k o Q
 
 With normalize_qk the kernels read q, k L2-normalised from the raw tiles (as
-``intra_channel`` does), and XLA applies the normalisation's vjp to dq, dk.
+``intra`` does), and XLA applies the normalisation's vjp to dq, dk.
 
-Every decay is a product of factors <= 1 (``pallas.channel``), so the cotangents are finite
+Every decay is a product of factors <= 1 (``gates``), so the cotangents are finite
 for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
 only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the kernels of
 step 3 hold [16, *] tiles. The stage table asks for precise products for every input
-dtype: 3xTF32 for fp32 inputs, TF32 for bf16 ones (``common.Fp32Products``).
+dtype: 3xTF32 for fp32 inputs, TF32 for bf16 ones (``products.Fp32Products``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.l2norm import l2_normalize
-from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  add_row_scales, check_chunk, check_gate_bound, chunk_axis,
-                                  diagonal_fits, f32, in_place, iota, lower, sub_chunk_axis,
-                                  sub_chunk_specs, unit_row_scales)
-from jaxcp.pallas.common import (Fp32Products, Operands, add_chunk_rows, call, chunk_specs,
-                                 dots as make_dots, named, refs_type, rows_of_chunk)
-from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.tokens import chunk_refs
+from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
+from jaxcp.pallas.triton.common.chunk_rows import (ChunkSpecs, add_chunk_rows, chunk_refs,
+                                                   chunk_specs, program_rows)
+from jaxcp.pallas.triton.common.launch import ChunkBlocks
+from jaxcp.pallas.triton.common.products import Dots, Fp32Products, dots as make_dots
+from jaxcp.pallas.triton.common.tiles import f32, iota, lower
+from jaxcp.pallas.triton.common.unit_rows import (in_place, operand_row_scales,
+                                                  xla_normalize_vjp)
+from jaxcp.pallas.triton.kda.gates import (ChunkGates, SubChunkGates, check_gate_bound,
+                                           diagonal_fits)
+from jaxcp.pallas.triton.kda.sub_chunks import (SUB_CHUNK, SubChunk, check_chunk, chunk_axis,
+                                                sub_chunk_axis, sub_chunk_specs)
 from jaxcp.terms import ChunkTerms
 
 
@@ -64,7 +69,7 @@ def _sum_products(product, xs, ys):
     return sum(product(x, y.T) for x, y in zip(xs, ys))
 
 
-# the token slabs the kernels read and write in place (``channel.in_place``)
+# the token slabs the kernels read and write in place (``unit_rows.in_place``)
 _TOKENS = ("q", "k", "v", "beta", "do", "q_rows", "k_rows", "dq_in", "dk_in", "dbeta_in",
            "dq", "dk", "dv", "dbeta")
 
@@ -76,7 +81,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     """Step 1 of the module docstring for one (chunk, head): q, k, G [C, K], do, v_new, dvn
     [C, V], h, x [K, V] -> dq, dk, dw, dG [C, K] and Mq [C, C], float32."""
     r = named(_InterRefs, names, refs)
-    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     V = r.do.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -89,7 +94,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
 
     # loops, not unrolled, so that no block's tiles are live in another's
     def block(i, carry):
-        ch = ChannelBlock(r.G, pl.multiple_of(i * bk, bk), bk)
+        ch = ChunkGates(r.G, pl.multiple_of(i * bk, bk), bk)
 
         def value_block(j, acc):
             dqg, dkd, dw, d_decay = acc
@@ -125,7 +130,7 @@ def _wy_kernel(*refs, names, dots, blocks):
     [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dG_in) -> dv
     [C, V], dbeta [C] and dA [C, C], float32."""
     r = named(_WYRefs, names, refs)
-    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -143,7 +148,7 @@ def _wy_kernel(*refs, names, dots, blocks):
 
     def key_block(i, carry):
         da, dbeta = carry
-        ch = ChannelBlock(r.G, pl.multiple_of(i * bk, bk), bk)
+        ch = ChunkGates(r.G, pl.multiple_of(i * bk, bk), bk)
         k = ch.load(r.k)
         dxk = dot_t(f32(r.inv[...]), ch.load(r.dw))
         da = da - dot(dxk, ch.load(r.w).T)
@@ -178,7 +183,7 @@ def _across_kernel(*refs, names, dots, blocks):
     The sub-chunks are taken last to first, so that the sums of each are complete when its
     own row sums are."""
     r = named(_AcrossRefs, names, refs)
-    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
@@ -237,7 +242,7 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     r = named(_DiagonalRefs, names, refs)
     S = SUB_CHUNK
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
-    chunk = rows_of_chunk(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
+    chunk = program_rows(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
     r = chunk_refs(in_place(r, chunk, ("q", "k", "beta", "q_rows", "k_rows")),
                    chunk.sub(sc.first, S), ("dq_in", "dk_in", "dbeta_in", "dq", "dk", "dbeta"))
     C, K = r.k.shape
@@ -247,7 +252,7 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     mq_diagonal = sc.diagonal_of(r.mq_flat, C)[:, None]
     beta_own = f32(r.beta[own])[:, None]
     zero = jnp.zeros((S, bk), jnp.float32)
-    # the diagonal block's rows and columns as products (``ChannelGates.diagonal_factors``);
+    # the diagonal block's rows and columns as products (``SubChunkGates.diagonal_factors``);
     # Mq's diagonal is added apart
     mq_block = lower(f32(r.mq[own, own]), strict=True)
     da_block = f32(r.da[own, own])
@@ -262,7 +267,7 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
 
     def block(j, dbeta):
         cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        gates = ChannelGates(r.G, cols, sc)
+        gates = SubChunkGates(r.G, cols, sc)
         q_own, k_own = sc.rows(r.q, cols), sc.rows(r.k, cols)
 
         # within the sub-chunk: the diagonal block's entries in the partner's column (the
@@ -295,6 +300,135 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     r.dbeta[...] = lax.fori_loop(0, K // bk, block, f32(r.dbeta_in[...]))
 
 
+class _Call(NamedTuple):
+    """What the kernel launches of one ``chunk_grads`` call share: the token inputs q, k,
+    v, beta and the chunk cumsum G; row_scales, the operands q_rows, k_rows
+    (``operand_row_scales``; empty without normalize_qk); the layout and its BlockSpecs;
+    the products; the launch configuration of every kernel but ``kda_grads_gated_sums``."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    G: jax.Array
+    beta: jax.Array
+    row_scales: dict
+    layout: object
+    sp: ChunkSpecs
+    dots: Dots
+    blocks: ChunkBlocks
+    interpret: bool
+
+    @property
+    def square(self) -> tuple:
+        """The shape of a [C, C] matrix per chunk, [NT, B, HV, C, C]."""
+        return self.G.shape[:4] + (self.G.shape[3],)
+
+    def inputs(self, sp, entries, row_scales: tuple[str, ...] = ("q_rows", "k_rows")):
+        """The inputs (name, spec, value) in order, then the row scales named (token slabs
+        under the BlockSpecs sp; where given) and the layout's table."""
+        ins = Operands()
+        for name, spec, val in entries:
+            ins.add(name, spec, val)
+        for name in row_scales:
+            if name in self.row_scales:
+                ins.add(name, sp.token(None), self.row_scales[name])
+        add_chunk_rows(ins, sp, self.layout)
+        return ins
+
+    def static(self) -> dict:
+        return dict(params=self.blocks.params(self.interpret), dots=self.dots,
+                    blocks=self.blocks)
+
+
+def _f32(struct, like):
+    """The ShapeDtypeStruct of a float32 output shaped like the array `like`."""
+    return struct(like.shape, jnp.float32)
+
+
+def _launch_inter(c: _Call, do, h, v_new, x, dvn, scale: float) -> dict:
+    """Step 1 (``kda_grads_inter``): dq, dk, dw, dG and Mq."""
+    sp, (_, _, _, C, K), V = c.sp, c.G.shape, c.v.shape[-1]
+    state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
+    ins = c.inputs(sp, (("q", sp.token(K), c.q), ("k", sp.token(K), c.k),
+                        ("G", sp.tile(K), c.G), ("do", sp.token(V), do), ("h", state, h),
+                        ("v_new", sp.tile(V), v_new), ("x", state, x),
+                        ("dvn", sp.tile(V), dvn)))
+
+    def outs(out, struct):
+        for name in ("dq", "dk"):
+            out.add(name, sp.token(K), _f32(struct, c.k))
+        for name in ("dw", "dG"):
+            out.add(name, sp.tile(K), _f32(struct, c.G))
+        out.add("mq", sp.tile(C), struct(c.square, jnp.float32))
+
+    return call(_inter_kernel, c.G.shape[:3], ins, outs, name="kda_grads_inter",
+                scale=scale, **c.static())[0]
+
+
+def _launch_wy(c: _Call, terms: ChunkTerms, dvn, inter: dict) -> dict:
+    """Step 2 (``kda_grads_wy``): dv, dbeta and dA, and inter's dk, dG added to in place."""
+    sp, (_, _, _, C, K), V = c.sp, c.G.shape, c.v.shape[-1]
+    ins = c.inputs(sp, (("k", sp.token(K), c.k), ("v", sp.token(V), c.v),
+                        ("G", sp.tile(K), c.G), ("beta", sp.token(None), c.beta),
+                        ("w", sp.tile(K), terms.w), ("u", sp.tile(V), terms.u),
+                        ("inv", sp.tile(C), terms.inv), ("dvn", sp.tile(V), dvn),
+                        ("dw", sp.tile(K), inter["dw"]), ("dk_in", sp.token(K), inter["dk"]),
+                        ("dG_in", sp.tile(K), inter["dG"])), row_scales=("k_rows",))
+
+    def outs(out, struct):
+        out.add("dk", sp.token(K), _f32(struct, c.k))
+        out.add("dv", sp.token(V), _f32(struct, c.v))
+        out.add("dG", sp.tile(K), _f32(struct, c.G))
+        out.add("dbeta", sp.token(None), _f32(struct, c.beta))
+        out.add("da", sp.tile(C), struct(c.square, jnp.float32))
+
+    return call(_wy_kernel, c.G.shape[:3], ins, outs, name="kda_grads_wy",
+                aliases={"dk_in": "dk", "dG_in": "dG"}, **c.static())[0]
+
+
+def _launch_gated_sums(c: _Call, kernel, grid, sp, whole, own_chunk, mq, da, partial: dict,
+                       extra=(), **static) -> dict:
+    """One kernel of step 3, in place: q, k, beta and the row scales under sp.token, G
+    and Mq, dA [C, C] under whole (the chunk's block of a chunk-layout array); the
+    partial dq, dk, dbeta (token slabs) and dG (own_chunk, the program's rows of the
+    chunk layout) in and out; extra: more (name, spec, value) inputs."""
+    C, K = c.G.shape[3:]
+    ins = c.inputs(sp, (("q", sp.token(K), c.q), ("k", sp.token(K), c.k),
+                        ("G", whole(K), c.G), ("beta", sp.token(None), c.beta),
+                        ("mq", whole(C), mq), ("da", whole(C), da), *extra,
+                        ("dq_in", sp.token(K), partial["dq"]),
+                        ("dk_in", sp.token(K), partial["dk"]),
+                        ("dG_in", own_chunk(K), partial["dG"]),
+                        ("dbeta_in", sp.token(None), partial["dbeta"])))
+
+    def outs(out, struct):
+        for name in ("dq", "dk"):
+            out.add(name, sp.token(K), _f32(struct, c.k))
+        out.add("dG", own_chunk(K), _f32(struct, c.G))
+        out.add("dbeta", sp.token(None), _f32(struct, c.beta))
+
+    return call(kernel, grid, ins, outs, aliases={
+        "dq_in": "dq", "dk_in": "dk", "dG_in": "dG", "dbeta_in": "dbeta"}, **static)[0]
+
+
+def _launch_across(c: _Call, mq, da, partial: dict, blocks: ChunkBlocks) -> dict:
+    """Step 3 across sub-chunks (``kda_grads_gated_sums``), with its launch configuration."""
+    return _launch_gated_sums(c, _across_kernel, c.G.shape[:3], c.sp, c.sp.tile, c.sp.tile,
+                              mq, da, partial, name="kda_grads_gated_sums",
+                              params=blocks.params(c.interpret), dots=c.dots, blocks=blocks)
+
+
+def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None) -> dict:
+    """Step 3 within sub-chunks, and Mq's diagonal (``kda_grads_diagonal_sums``)."""
+    NT, B, HV, C, _ = c.G.shape
+    ss = sub_chunk_specs(NT, B, HV, C, c.k.shape[1], c.blocks.sub_chunks_first)
+    flat = lambda m: m.reshape(NT, B, HV, C * C)
+    return _launch_gated_sums(c, _diagonal_kernel, ss.grid, ss, ss.chunk, ss.rows, mq, da,
+                              partial, extra=(("mq_flat", ss.square_flat, flat(mq)),
+                                              ("da_flat", ss.square_flat, flat(da))),
+                              name="kda_grads_diagonal_sums", gate_bound=gate_bound,
+                              **c.static())
+
+
 def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_new, x, dvn,
                 do, *, gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precise: bool = True,
@@ -307,112 +441,28 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     [NT, B, HV, C, K] are in the chunk layout (``gate_cumsum.chunk_gate``, whose backward
     turns dG into the gate's cotangent); h, x [NT, B, HV, K, V], v_new, dvn
     [NT, B, HV, C, V]. terms must carry the inverse (``intra_chunk(...,
-    with_inverse=True)``). gate_bound as in ``intra_channel.intra_chunk``. normalize_qk:
+    with_inverse=True)``). gate_bound as in ``intra.intra_chunk``. normalize_qk:
     q, k are raw, the kernels read them L2-normalised (as ``intra_chunk(normalize_qk=True)``),
     and dq, dk are the cotangents of the raw q, k (the normalisation's vjp by XLA).
-    precise: every product at `products` (``common.Fp32Products``), else bf16 products.
-    blocks: the launch configuration (``ChunkBlocks.channel_grads`` if None) of every
+    precise: every product at `products` (``products.Fp32Products``), else bf16 products.
+    blocks: the launch configuration (``ChunkBlocks.kda_grads`` if None) of every
     kernel but ``kda_grads_gated_sums``, which runs with across_blocks
     (``ChunkBlocks.grads_across_sub_chunks`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     check_gate_bound(gate_bound)
-    B, T, HV, K = k.shape
-    NT, C = G.shape[0], G.shape[3]
-    V = v.shape[-1]
-    check_chunk(C)
-    blocks = blocks or ChunkBlocks.channel_grads()
-    sp = chunk_specs(C, T)
-    state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
-    dots = make_dots(precise, interpret, rounded=True, products=products)
-    kw = dict(params=blocks.params(interpret), dots=dots, blocks=blocks)
-    f32_like = lambda struct, a: struct(a.shape, jnp.float32)
-    square = (NT, B, HV, C, C)
-    rows = unit_row_scales(q, k, normalize_qk)
-
-    inter = Operands()
-    for name, spec, val in (("q", sp.token(K), q), ("k", sp.token(K), k),
-                            ("G", sp.tile(K), G), ("do", sp.token(V), do), ("h", state, h),
-                            ("v_new", sp.tile(V), v_new), ("x", state, x),
-                            ("dvn", sp.tile(V), dvn)):
-        inter.add(name, spec, val)
-    add_row_scales(inter, sp.token(None), **rows)
-    add_chunk_rows(inter, sp, layout)
-
-    def inter_outs(out, struct):
-        for name in ("dq", "dk"):
-            out.add(name, sp.token(K), f32_like(struct, k))
-        for name in ("dw", "dG"):
-            out.add(name, sp.tile(K), f32_like(struct, G))
-        out.add("mq", sp.tile(C), struct(square, jnp.float32))
-
-    step1, _ = call(_inter_kernel, (NT, B, HV), inter, inter_outs, name="kda_grads_inter",
-                    scale=scale, **kw)
-
-    wy = Operands()
-    for name, spec, val in (("k", sp.token(K), k), ("v", sp.token(V), v),
-                            ("G", sp.tile(K), G), ("beta", sp.token(None), beta),
-                            ("w", sp.tile(K), terms.w), ("u", sp.tile(V), terms.u),
-                            ("inv", sp.tile(C), terms.inv), ("dvn", sp.tile(V), dvn),
-                            ("dw", sp.tile(K), step1["dw"]),
-                            ("dk_in", sp.token(K), step1["dk"]),
-                            ("dG_in", sp.tile(K), step1["dG"])):
-        wy.add(name, spec, val)
+    check_chunk(G.shape[3])
+    c = _Call(q, k, v, G, beta, operand_row_scales(q, k, normalize_qk), layout,
+              chunk_specs(G.shape[3], k.shape[1]),
+              make_dots(precise, interpret, rounded=True, products=products),
+              blocks or ChunkBlocks.kda_grads(), interpret)
+    inter = _launch_inter(c, do, h, v_new, x, dvn, scale)
+    wy = _launch_wy(c, terms, dvn, inter)
+    sums = _launch_across(c, inter["mq"], wy["da"],
+                          dict(dq=inter["dq"], dk=wy["dk"], dG=wy["dG"], dbeta=wy["dbeta"]),
+                          across_blocks or ChunkBlocks.grads_across_sub_chunks())
+    sums = _launch_diagonal(c, inter["mq"], wy["da"], sums, gate_bound)
+    dq, dk = sums["dq"], sums["dk"]
     if normalize_qk:
-        wy.add("k_rows", sp.token(None), rows["k_rows"])
-    add_chunk_rows(wy, sp, layout)
-
-    def wy_outs(out, struct):
-        out.add("dk", sp.token(K), f32_like(struct, k))
-        out.add("dv", sp.token(V), f32_like(struct, v))
-        out.add("dG", sp.tile(K), f32_like(struct, G))
-        out.add("dbeta", sp.token(None), f32_like(struct, beta))
-        out.add("da", sp.tile(C), struct(square, jnp.float32))
-
-    step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="kda_grads_wy",
-                    aliases={"dk_in": "dk", "dG_in": "dG"}, **kw)
-
-    def gated_sums(kernel, grid, sp, whole, own_chunk, partial, extra=(), **static):
-        """One kernel of step 3, in place: q, k, beta and the row scales under sp.token, G
-        and Mq, dA [C, C] under whole (the chunk's block of a chunk-layout array); the
-        partial dq, dk, dbeta (token slabs) and dG (own_chunk, the program's rows of the
-        chunk layout) in and out; extra: more (name, spec, value) inputs."""
-        ins = Operands()
-        for name, spec, val in (("q", sp.token(K), q), ("k", sp.token(K), k),
-                                ("G", whole(K), G), ("beta", sp.token(None), beta),
-                                ("mq", whole(C), step1["mq"]), ("da", whole(C), step2["da"]),
-                                *extra,
-                                ("dq_in", sp.token(K), partial["dq"]),
-                                ("dk_in", sp.token(K), partial["dk"]),
-                                ("dG_in", own_chunk(K), partial["dG"]),
-                                ("dbeta_in", sp.token(None), partial["dbeta"])):
-            ins.add(name, spec, val)
-        add_row_scales(ins, sp.token(None), **rows)
-        add_chunk_rows(ins, sp, layout)
-
-        def outs(out, struct):
-            for name in ("dq", "dk"):
-                out.add(name, sp.token(K), f32_like(struct, k))
-            out.add("dG", own_chunk(K), f32_like(struct, G))
-            out.add("dbeta", sp.token(None), f32_like(struct, beta))
-
-        res, _ = call(kernel, grid, ins, outs, aliases={
-            "dq_in": "dq", "dk_in": "dk", "dG_in": "dG", "dbeta_in": "dbeta"}, **static)
-        return res
-
-    across_blocks = across_blocks or ChunkBlocks.grads_across_sub_chunks()
-    step3 = gated_sums(_across_kernel, (NT, B, HV), sp, sp.tile, sp.tile,
-                       dict(dq=step1["dq"], dk=step2["dk"], dG=step2["dG"],
-                            dbeta=step2["dbeta"]),
-                       name="kda_grads_gated_sums", params=across_blocks.params(interpret),
-                       dots=dots, blocks=across_blocks)
-    ss = sub_chunk_specs(NT, B, HV, C, T, blocks.sub_chunks_first)
-    flat = lambda m: m.reshape(NT, B, HV, C * C)
-    step3 = gated_sums(_diagonal_kernel, ss.grid, ss, ss.chunk, ss.rows, step3,
-                       extra=(("mq_flat", ss.square_flat, flat(step1["mq"])),
-                              ("da_flat", ss.square_flat, flat(step2["da"]))),
-                       name="kda_grads_diagonal_sums", gate_bound=gate_bound, **kw)
-    dq, dk = step3["dq"], step3["dk"]
-    if normalize_qk:
-        dq, dk = (jax.vjp(l2_normalize, f32(x))[1](dx)[0] for x, dx in ((q, dq), (k, dk)))
-    return dq, dk, step2["dv"], step3["dG"], step3["dbeta"]
+        dq, dk = xla_normalize_vjp(q, dq), xla_normalize_vjp(k, dk)
+    return dq, dk, wy["dv"], sums["dG"], sums["dbeta"]

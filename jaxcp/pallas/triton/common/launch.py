@@ -2,18 +2,18 @@
 
 Two families of kernels, two configurations:
 
-- ``StateBlocks``: the chunk state recurrences (``pallas.state``), one program per (batch,
+- ``StateBlocks``: the chunk state recurrences (``common.state``), one program per (batch,
   value head, block of state columns) looping over the chunks. Its per-chunk tiles are
   software-pipelined: as many stages as fit in a shared-memory budget.
-- ``ChunkBlocks``: the per-chunk kernels (``pallas.intra``, ``pallas.grads``, KDA's
-  ``pallas.intra_channel``, ``pallas.grads_channel``), one program per (chunk, batch, value
-  head) or, for KDA's gated sums, per sub-chunk of 16 rows, walking K and V in blocks of
-  columns so that no [C, K] or [C, V] tile stays live across the kernel.
+- ``ChunkBlocks``: the per-chunk kernels (``gdn.intra``, ``gdn.grads``, ``kda.intra``,
+  ``kda.grads``), one program per (chunk, batch, value head) or, for KDA's gated sums, per
+  sub-chunk of 16 rows, walking K and V in blocks of columns so that no [C, K] or [C, V]
+  tile stays live across the kernel.
 
 ``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
-``ChunkBlocks.channel_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``; its
+``ChunkBlocks.kda_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``; its
 inverse and tiles: ``ChunkBlocks.wy_terms``; its state recurrences:
-``StateBlocks.channel``). GDN's numbers were measured on the H100 and the H200
+``StateBlocks.kda``). GDN's numbers were measured on the H100 and the H200
 (docs/benchmarks/kernels.md), where they are the same; KDA's latest on the H200
 (kernels_kda.md); ``device`` (``jax.Device.device_kind``) is where a per-device choice
 goes.
@@ -52,9 +52,9 @@ class StateBlocks:
         return cls(block_cols=32 if K >= 256 else 64)
 
     @classmethod
-    def channel(cls, kernel: str, K: int, V: int, heads: int) -> "StateBlocks":
+    def kda(cls, kernel: str, K: int, V: int, heads: int) -> "StateBlocks":
         """KDA's state recurrences (float32 state, TF32 products for bf16 inputs, float16
-        w, qg, kd, attn): per kernel (``state.py``'s kernel names), K, V and heads (B HV,
+        w, qg, kd, attn): per kernel (``common.state``'s kernel names), K, V and heads (B HV,
         the programs per block of state columns). 32 state columns per program, but:
 
         - state_bwd at K <= 128 where 64 columns still give FULL_GRID programs: 64 columns
@@ -93,7 +93,7 @@ class StateBlocks:
 class ChunkBlocks:
     """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages;
     sub_chunks_first: KDA's sub-chunk kernels put the sub-chunk first in their grid, so that
-    the programs of one chunk launch next to each other (``channel.sub_chunk_axis``)."""
+    the programs of one chunk launch next to each other (``kda.sub_chunks.sub_chunk_axis``)."""
     col_block: int = 64
     num_warps: int = 4
     num_stages: int = 3
@@ -105,7 +105,7 @@ class ChunkBlocks:
         return cls()
 
     @classmethod
-    def channel_grads(cls) -> "ChunkBlocks":
+    def kda_grads(cls) -> "ChunkBlocks":
         """KDA's three cotangent kernels: two pipeline stages, the sub-chunks first in the
         sub-chunk kernel's grid. The loop over value blocks of ``kda_grads_inter`` loads
         three [C, 64] and two [64, 64] float32 tiles per step; three stages would need 240

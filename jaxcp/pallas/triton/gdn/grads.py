@@ -5,7 +5,7 @@
 Twin of ``jaxcp.xla.grads.chunk_grads``. The token tensors q, k [B, T, HV, K], v, do
 [B, T, HV, V], g, beta [B, T, HV] and their cotangents are read and written in place, chunk
 c at the rows ``ChunkLayout.token_start[c]`` on, c C without a table
-(``jaxcp.pallas.tokens``); the rest is in chunk layout: the chunk terms w [NT, B, HV, C, K],
+(``chunk_rows``); the rest is in chunk layout: the chunk terms w [NT, B, HV, C, K],
 u [.., C, V], attn and T = (I + A)^-1 [.., C, C] (``intra`` with the inverse, or
 ``recompute_w_u``); from the recurrences h (state entering each chunk)
 and X = dL/dS_out [NT, B, HV, K, V], v_new and dvn = dL/dv_new [NT, B, HV, C, V]. With
@@ -43,11 +43,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.common import (Operands, add_chunk_rows, call, chunk_specs, col_tiles,
-                                 dots as make_dots, gram, named, refs_type, row_scale,
-                                 rows_of_chunk, scalar_gates, scale_gram, sum_dots, unit_rows)
-from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.tokens import Tile
+from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
+from jaxcp.pallas.triton.common.chunk_rows import (ChunkRef, add_chunk_rows, chunk_specs,
+                                                   program_rows)
+from jaxcp.pallas.triton.common.launch import ChunkBlocks
+from jaxcp.pallas.triton.common.products import col_tiles, dots as make_dots, gram, sum_dots
+from jaxcp.pallas.triton.common.unit_rows import (normalize_vjp, row_scales, scale_gram,
+                                                  unit_cols)
+from jaxcp.pallas.triton.gdn.gates import scalar_gates
 from jaxcp.terms import ChunkTerms
 
 
@@ -58,14 +61,14 @@ _InterRefs = refs_type("_InterRefs", "q k g do attn h v_new x dvn dq dk1 dw dg1"
 def _inter_kernel(*refs, names, scale, dots, normalize, blocks, C):
     """Step 1: dq, the partial dk, dw and the partial dG of one (chunk, head)."""
     r = named(_InterRefs, names, refs)
-    rows = rows_of_chunk(r, C)
-    q, k, do, dq_out, dk_out = (Tile(ref, rows) for ref in (r.q, r.k, r.do, r.dq, r.dk1))
-    vn, dvn = Tile(r.v_new), Tile(r.dvn)
-    gates = scalar_gates(Tile(r.g, rows).all().astype(jnp.float32))
+    rows = program_rows(r, C)
+    q, k, do, dq_out, dk_out = (ChunkRef(ref, rows) for ref in (r.q, r.k, r.do, r.dq, r.dk1))
+    vn, dvn = ChunkRef(r.v_new), ChunkRef(r.dvn)
+    gates = scalar_gates(ChunkRef(r.g, rows).all().astype(jnp.float32))
     dot = dots.plain
     K, V = k.width, vn.width
     bk, bv = blocks.cols(K), blocks.cols(V)
-    rq, rk = row_scale(q, bk, normalize), row_scale(k, bk, normalize)
+    rq, rk = row_scales(q, bk, normalize), row_scales(k, bk, normalize)
     dattn = sum_dots(dot, do, col_tiles(vn, bv), bv)
     p = dattn * r.attn[...].astype(jnp.float32)
     dG = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
@@ -76,7 +79,7 @@ def _inter_kernel(*refs, names, scale, dots, normalize, blocks, C):
                                   for j in range(V // bv)]
     # one [C, bk] accumulator at a time: fewer live tiles, no spills to local memory
     for i in range(K // bk):
-        qi, ki = unit_rows(q, i, bk, rq), unit_rows(k, i, bk, rk)
+        qi, ki = unit_cols(q, i, bk, rq), unit_cols(k, i, bk, rk)
         dqg = sum_dots(dot, do, state_tiles(r.h, i), bv)
         dq = dqg * (gates.eg * scale)[:, None] + dot(d, ki)
         dq_out.set_cols(i, bk, dq)
@@ -93,24 +96,12 @@ def _inter_kernel(*refs, names, scale, dots, normalize, blocks, C):
         dG -= dkd_kd
         dG_last += jnp.sum(dkd_kd)
         dw = -sum_dots(dot, dvn, state_tiles(r.h, i), bv)
-        Tile(r.dw).set_cols(i, bk, dw)
+        ChunkRef(r.dw).set_cols(i, bk, dw)
     if normalize:
-        _normalize_vjp(dq_out, q, rq, dq_q, bk)
+        normalize_vjp(dq_out, q, rq, dq_q, bk)
     # dG_C reaches every row of the reverse cumsum: add it to the last row
     C = dG.shape[0]
     r.dg1[...] = dG + jnp.where(lax.iota(jnp.int32, C) == C - 1, dG_last, 0.0)
-
-
-def _normalize_vjp(dx: Tile, x: Tile, r, dy_y, bk: int):
-    """dx = r (dy - y (dy . y)) in place of dy in the tile dx: the vjp of y = r x, r = (x . x +
-    eps)^(-1/2), given dy . y per row (dy_y [C], from dy before its last rounding). dy is
-    read back as stored: for bf16 inputs rounded to bf16, as the unfused op hands the norm's
-    vjp a bf16 cotangent. The store and this load of a block use the same layout, so each
-    element is read back by the thread that wrote it."""
-    for i in range(x.width // bk):
-        y = unit_rows(x, i, bk, r)
-        dy = dx.cols(i, bk).astype(jnp.float32)
-        dx.set_cols(i, bk, (dy - y * dy_y[:, None]) * r[:, None])
 
 
 _WYRefs = refs_type("_WYRefs", "k v g beta dk1 w u inv dvn dw dg1 dk dv dg dbeta",
@@ -120,17 +111,17 @@ _WYRefs = refs_type("_WYRefs", "k v g beta dk1 w u inv dvn dw dg1 dk dv dg dbeta
 def _wy_kernel(*refs, names, dots, normalize, blocks, C):
     """Step 2: the WY backward of one (chunk, head); dk1 and dk are one buffer."""
     r = named(_WYRefs, names, refs)
-    rows = rows_of_chunk(r, C)
-    k, v, dk1, dk_out, dv = (Tile(ref, rows) for ref in (r.k, r.v, r.dk1, r.dk, r.dv))
-    w, u, dvn, dw = Tile(r.w), Tile(r.u), Tile(r.dvn), Tile(r.dw)
-    g = Tile(r.g, rows).all().astype(jnp.float32)
-    beta = Tile(r.beta, rows).all().astype(jnp.float32)
+    rows = program_rows(r, C)
+    k, v, dk1, dk_out, dv = (ChunkRef(ref, rows) for ref in (r.k, r.v, r.dk1, r.dk, r.dv))
+    w, u, dvn, dw = ChunkRef(r.w), ChunkRef(r.u), ChunkRef(r.dvn), ChunkRef(r.dw)
+    g = ChunkRef(r.g, rows).all().astype(jnp.float32)
+    beta = ChunkRef(r.beta, rows).all().astype(jnp.float32)
     gates = scalar_gates(g)
     dot = dots.plain
     K, V = k.width, v.width
     bk, bv = blocks.cols(K), blocks.cols(V)
     inv = r.inv[...]
-    rk = row_scale(k, bk, normalize)
+    rk = row_scales(k, bk, normalize)
     da = dbeta = None
     for j in range(V // bv):
         dy = dot(inv.T, dvn.cols(j, bv))
@@ -140,7 +131,7 @@ def _wy_kernel(*refs, names, dots, normalize, blocks, C):
         da, dbeta = (da_j, dbeta_j) if da is None else (da + da_j, dbeta + dbeta_j)
     dG = r.dg1[...].astype(jnp.float32)
     for i in range(K // bk):
-        ki = unit_rows(k, i, bk, rk)
+        ki = unit_cols(k, i, bk, rk)
         dxk = dot(inv.T, dw.cols(i, bk))
         da -= dot(dxk, w.cols(i, bk).T)
         dxk_k = jnp.sum(dxk * ki, axis=1) * gates.eg
@@ -152,10 +143,10 @@ def _wy_kernel(*refs, names, dots, normalize, blocks, C):
     da_kk = da * strict * scale_gram(gram(k, k, dots, bk), rk, rk)
     rr = beta[:, None] * da_kk
     dG += jnp.sum(rr, axis=1) - jnp.sum(rr, axis=0)
-    Tile(r.dbeta, rows).set_all(dbeta + jnp.sum(da_kk, axis=1))
+    ChunkRef(r.dbeta, rows).set_all(dbeta + jnp.sum(da_kk, axis=1))
     dk_k = jnp.zeros_like(dG)
     for i in range(K // bk):
-        ki = unit_rows(k, i, bk, rk)
+        ki = unit_cols(k, i, bk, rk)
         # dXk again: cheaper than storing dk1 + beta exp(G) dXk above and loading it here
         dxk = dot(inv.T, dw.cols(i, bk))
         dki = (dk1.cols(i, bk).astype(jnp.float32) + dxk * (beta * gates.eg)[:, None]
@@ -164,8 +155,8 @@ def _wy_kernel(*refs, names, dots, normalize, blocks, C):
         if normalize:
             dk_k += jnp.sum(dki * ki, axis=1)
     if normalize:
-        _normalize_vjp(dk_out, k, rk, dk_k, bk)
-    Tile(r.dg, rows).set_all(jnp.sum(dG) - jnp.cumsum(dG) + dG)
+        normalize_vjp(dk_out, k, rk, dk_k, bk)
+    ChunkRef(r.dg, rows).set_all(jnp.sum(dG) - jnp.cumsum(dG) + dG)
 
 
 def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int,

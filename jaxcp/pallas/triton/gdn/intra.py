@@ -3,13 +3,13 @@
 Twin of ``jaxcp.xla.intra.intra_chunk`` for a scalar gate (Kg = 1). The token tensors are
 read in place, token-major: q, k [B, T, HV, K], v [B, T, HV, V], g, beta [B, T, HV], chunk c
 the rows from ``ChunkLayout.token_start[c]`` on (from c C without a table; see
-``jaxcp.pallas.tokens``). The terms are written in chunk layout, [NT, B, HV, C, ...].
+``chunk_rows``). The terms are written in chunk layout, [NT, B, HV, C, ...].
 
 Forward, with G = cumsum(g) inside the chunk and E_ij = exp(G_i - G_j):
 
     A      = strict_lower(beta_i (k_i . k_j) E_ij)
     T      = (I + A)^-1, merging diagonal blocks of size 1, 2, 4, ..., C/2
-             (``common.unit_lower_inverse``)
+             (``products.unit_lower_inverse``)
     w      = (T diag(beta exp(G))) k;      u = (T diag(beta)) v
     attn   = lower(scale (q_i . k_j) E_ij),   decay = exp(G_C)
     q_rows = scale exp(G),   k_rows = exp(G_C - G)
@@ -35,18 +35,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxcp.layout import ChunkLayout
-from jaxcp.pallas.common import (Dots, Operands, ScalarGates, add_chunk_rows, call,
-                                 chunk_specs, dots as make_dots, gram, named, on_tokens,
-                                 refs_type, row_scale, rows_of_chunk, scalar_gates, scale_gram,
-                                 times, unit_lower_inverse)
-from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.tokens import Tile
+from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
+from jaxcp.pallas.triton.common.chunk_rows import (ChunkRef, add_chunk_rows, chunk_specs,
+                                                   program_rows)
+from jaxcp.pallas.triton.common.launch import ChunkBlocks
+from jaxcp.pallas.triton.common.products import (Dots, dots as make_dots, gram,
+                                                 unit_lower_inverse)
+from jaxcp.pallas.triton.common.unit_rows import on_tokens, row_scales, scale_gram, times
+from jaxcp.pallas.triton.gdn.gates import ScalarGates, scalar_gates
 from jaxcp.terms import ChunkTerms
 
 
-def _inverse(k: Tile, beta, gates: ScalarGates, dots: Dots, bk: int, rk=None):
+def _inverse(k: ChunkRef, beta, gates: ScalarGates, dots: Dots, bk: int, rk=None):
     """T = (I + A)^-1 with A = strict_lower(beta_i (k_i . k_j) E_ij), the keys scaled by rk
-    (``row_scale``) when it is given."""
+    (``row_scales``) when it is given."""
     kk = scale_gram(gram(k, k, dots, bk), rk, rk)
     return unit_lower_inverse(beta[:, None] * kk * gates.strict(), dots.plain)
 
@@ -57,17 +59,17 @@ _IntraRefs = refs_type("_IntraRefs", "q k v g beta w u attn q_rows k_rows decay"
 
 def _intra_kernel(*refs, names, scale, dots, normalize, blocks, C):
     r = named(_IntraRefs, names, refs)
-    rows = rows_of_chunk(r, C)
-    # q, k, v read loose (``jaxcp.pallas.tokens``): past the tokens, beta and the row factors
+    rows = program_rows(r, C)
+    # q, k, v read loose (``chunk_rows``): past the tokens, beta and the row factors
     # rq, rk are zero, so those rows drop out of A, w, u and attn (whose rows there are zero)
-    q, k, v = (Tile(ref, rows, loose=True) for ref in (r.q, r.k, r.v))
-    g = Tile(r.g, rows).all().astype(jnp.float32)
-    beta = Tile(r.beta, rows).all().astype(jnp.float32)
+    q, k, v = (ChunkRef(ref, rows, loose=True) for ref in (r.q, r.k, r.v))
+    g = ChunkRef(r.g, rows).all().astype(jnp.float32)
+    beta = ChunkRef(r.beta, rows).all().astype(jnp.float32)
     gates = scalar_gates(g)
     bk = blocks.cols(k.width)
     valid = rows.valid()
-    rq = on_tokens(row_scale(q, bk, normalize), valid)
-    rk = on_tokens(row_scale(k, bk, normalize), valid)
+    rq = on_tokens(row_scales(q, bk, normalize), valid)
+    rk = on_tokens(row_scales(k, bk, normalize), valid)
     attn = scale_gram(gram(q, k, dots, bk), rq, rk) * gates.causal() * scale
     r.attn[...] = attn.astype(r.attn.dtype)
     r.q_rows[...] = times(gates.eg * scale, rq)
@@ -80,12 +82,12 @@ def _intra_kernel(*refs, names, scale, dots, normalize, blocks, C):
     _store_w_u(r.w, r.u, inv, k, v, beta, gates, rk, dots, blocks)
 
 
-def _store_w_u(w_ref, u_ref, inv, k: Tile, v: Tile, beta, gates: ScalarGates, rk,
+def _store_w_u(w_ref, u_ref, inv, k: ChunkRef, v: ChunkRef, beta, gates: ScalarGates, rk,
                dots: Dots, blocks: ChunkBlocks):
     """w = T diag(beta exp(G) rk) k and u = T diag(beta) v of one chunk."""
-    _store_products(Tile(w_ref), inv * times(beta * gates.eg, rk)[None, :], k, dots,
+    _store_products(ChunkRef(w_ref), inv * times(beta * gates.eg, rk)[None, :], k, dots,
                     blocks.cols(k.width))
-    _store_products(Tile(u_ref), inv * beta[None, :], v, dots, blocks.cols(v.width))
+    _store_products(ChunkRef(u_ref), inv * beta[None, :], v, dots, blocks.cols(v.width))
 
 
 _WURefs = refs_type("_WURefs", "k v g beta inv w u k_rows decay",
@@ -95,20 +97,30 @@ _WURefs = refs_type("_WURefs", "k v g beta inv w u k_rows decay",
 def _w_u_kernel(*refs, names, dots, normalize, blocks, C):
     """w, u, k_rows and decay of one chunk from its kept inverse T (see ``recompute_w_u``)."""
     r = named(_WURefs, names, refs)
-    rows = rows_of_chunk(r, C)
-    k, v = Tile(r.k, rows), Tile(r.v, rows)
-    gates = scalar_gates(Tile(r.g, rows).all().astype(jnp.float32))
-    beta = Tile(r.beta, rows).all().astype(jnp.float32)
-    rk = row_scale(k, blocks.cols(k.width), normalize)
+    rows = program_rows(r, C)
+    k, v = ChunkRef(r.k, rows), ChunkRef(r.v, rows)
+    gates = scalar_gates(ChunkRef(r.g, rows).all().astype(jnp.float32))
+    beta = ChunkRef(r.beta, rows).all().astype(jnp.float32)
+    rk = row_scales(k, blocks.cols(k.width), normalize)
     r.k_rows[...] = times(gates.tail, rk)
     r.decay[...] = gates.last
     _store_w_u(r.w, r.u, r.inv[...].astype(jnp.float32), k, v, beta, gates, rk, dots, blocks)
 
 
-def _store_products(out: Tile, a, x: Tile, dots: Dots, n: int):
+def _store_products(out: ChunkRef, a, x: ChunkRef, dots: Dots, n: int):
     """out = a @ x for an fp32 [C, C] a and [C, d] tiles, in blocks of n columns."""
     for j in range(x.width // n):
         out.set_cols(j, n, dots.split(a, x.cols(j, n)))
+
+
+def _token_inputs(sp, layout: ChunkLayout, tokens) -> Operands:
+    """The layout's table (where it has one), then the token tensors (name, array, d) under
+    sp.token(d) (d None: [B, T, HV])."""
+    ins = Operands()
+    add_chunk_rows(ins, sp, layout)
+    for name, x, d in tokens:
+        ins.add(name, sp.token(d), x)
+    return ins
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int, *,
@@ -118,10 +130,10 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     """Twin of xla.intra.intra_chunk for GDN, in the row-factored form of ``ChunkTerms``
     (qg, kd are q, k as given). q, k, v, g, beta are token-major, [B, T, HV, ...] with g
     [B, T, HV] or [B, T, HV, 1], chunk c being chunk_size rows from layout.token_start[c]
-    (from c chunk_size when the layout has no table; ``jaxcp.pallas.tokens``); w, u,
+    (from c chunk_size when the layout has no table; ``chunk_rows``); w, u,
     attn, inv, decay and the row factors are in chunk layout [NT, B, HV, ...]. precise:
     fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see
-    ``common.dots``); out_dtype is the dtype of w, u, attn and inv (decay and the row
+    ``products.dots``); out_dtype is the dtype of w, u, attn and inv (decay and the row
     factors stay float32); w and u are products of the inverse rounded to it, so that
     ``recompute_w_u`` gives the same w and u from the stored inverse.
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows).
@@ -131,11 +143,8 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     NT, C = layout.chunk_starts.shape[0], chunk_size
     blocks = blocks or ChunkBlocks.default(K, q.dtype)
     sp = chunk_specs(C, T)
-    ins = Operands()
-    add_chunk_rows(ins, sp, layout)
-    for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V), ("g", g.reshape(B, T, HV), None),
-                       ("beta", beta, None)):
-        ins.add(name, sp.token(d), x)
+    ins = _token_inputs(sp, layout, (("q", q, K), ("k", k, K), ("v", v, V),
+                                     ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
 
     def outs(out, struct):
         terms = lambda *s, dtype=out_dtype: struct((NT, B, HV) + s, dtype)
@@ -181,11 +190,8 @@ def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: 
     NT, C = layout.chunk_starts.shape[0], chunk_size
     blocks = blocks or ChunkBlocks.default(K, k.dtype)
     sp = chunk_specs(C, T)
-    ins = Operands()
-    add_chunk_rows(ins, sp, layout)
-    for name, x, d in (("k", k, K), ("v", v, V), ("g", g.reshape(B, T, HV), None),
-                       ("beta", beta, None)):
-        ins.add(name, sp.token(d), x)
+    ins = _token_inputs(sp, layout, (("k", k, K), ("v", v, V),
+                                     ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
     ins.add("inv", sp.tile(C), kept.inv)
 
     def outs(out, struct):

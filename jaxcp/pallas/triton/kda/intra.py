@@ -5,7 +5,7 @@ T = (I + A)^-1 and the tiles of the state recurrences (``wy_terms``, one program
 (chunk, batch, head)). The backward reruns only the last, from the T the forward kept.
 
 Twin of ``jaxcp.xla.intra.intra_chunk`` for the per-channel gate (``Gate.CHANNEL``). The
-token tensors are read in place (``pallas.tokens``; packed sequences included): q, k
+token tensors are read in place (``chunk_rows``; packed sequences included): q, k
 [B, T, HV, K], v [B, T, HV, V], beta [B, T, HV], each chunk at the rows the layout gives
 it. The gate comes as G, the cumsum of the natural-log decays g <= 0 over each chunk's rows,
 in the chunk layout [NT, B, HV, C, K] (``gate_cumsum.chunk_gate``). The terms come in the
@@ -18,13 +18,13 @@ With G = cumsum(g) over the chunk's rows (per channel),
     attn_ij = scale  sum_d q_id k_jd exp(G_id - G_jd)     for j <= i
 
 is not a matrix product: the decay differs per channel. It is computed in sub-chunks of
-S = 16 rows (``pallas.channel``), so that no factor overflows whatever the gates:
+S = 16 rows (``gates``), so that no factor overflows whatever the gates:
 
 - j in a sub-chunk s before the sub-chunk of i, whose first row is r: exp(G_id - G_jd) =
   exp(G_id - G_rd) exp(G_rd - G_jd), both factors <= 1, so each such [S, S] block is a
   tensor-core product (x exp(G - G_r)) (k_s exp(G_r - G_s))^T;
 - j in the sub-chunk of i: a product too, through the middle of G's span over the
-  sub-chunk, where that span is at most 75 on every channel (``channel.diagonal_fits``,
+  sub-chunk, where that span is at most 75 on every channel (``gates.diagonal_fits``,
   factors within e^+-37.5); elsewhere pair by pair, one column j at a time,
   exp(G_id - G_jd) <= 1 as the jnp twin takes it.
 
@@ -36,7 +36,7 @@ The terms are finite for any g <= 0. Then
 K and V are walked in blocks of ``ChunkBlocks.col_block`` columns; the sums over channels
 add up over the blocks. A and attn pass between the kernels in float32 ([C, C] per chunk).
 With normalize_qk the kernels take the raw q, k and their rows' 1 / ||row|| ([C] per chunk,
-by XLA) and read every row of q, k times it (``channel.RowScaled``): the terms of the
+by XLA) and read every row of q, k times it (``unit_rows.UnitRows``): the terms of the
 L2-normalised rows, with no normalised copy in memory.
 """
 from __future__ import annotations
@@ -45,18 +45,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.channel import (SUB_CHUNK, ChannelBlock, ChannelGates, SubChunk,
-                                  add_row_scales, check_chunk, check_gate_bound, chunk_axis,
-                                  diagonal_factors, diagonal_fits, f32, in_place, lower,
-                                  sub_chunk_axis, sub_chunk_specs, unit_row_scales)
-from jaxcp.pallas.common import (Dots, Operands, add_chunk_rows, call, chunk_specs,
-                                 dots as make_dots, named, refs_type, rows_of_chunk,
-                                 unit_lower_inverse)
-from jaxcp.pallas.config import ChunkBlocks
-from jaxcp.pallas.tokens import chunk_refs
+from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
+from jaxcp.pallas.triton.common.chunk_rows import (add_chunk_rows, chunk_refs, chunk_specs,
+                                                   program_rows)
+from jaxcp.pallas.triton.common.launch import ChunkBlocks
+from jaxcp.pallas.triton.common.products import Dots, dots as make_dots, unit_lower_inverse
+from jaxcp.pallas.triton.common.tiles import f32, lower
+from jaxcp.pallas.triton.common.unit_rows import add_row_scales, in_place, operand_row_scales
+from jaxcp.pallas.triton.kda.gates import (ChunkGates, SubChunkGates, check_gate_bound,
+                                           diagonal_factors, diagonal_fits)
+from jaxcp.pallas.triton.kda.sub_chunks import (SUB_CHUNK, SubChunk, check_chunk, chunk_axis,
+                                                sub_chunk_axis, sub_chunk_specs)
 from jaxcp.terms import ChunkTerms
 
-# the token slabs the kernels read in place (``channel.in_place``)
+# the token slabs the kernels read in place (``unit_rows.in_place``)
 _TOKENS = ("q", "k", "v", "beta", "q_rows", "k_rows")
 
 _AcrossRefs = refs_type("_AcrossRefs", "q k G beta a attn",
@@ -68,13 +70,13 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
     k_id k_jd E_ijd) and attn = scale lower(sum_d q_id k_jd E_ijd) [C, C] as [S, S] blocks:
     the blocks (i, j) across sub-chunks, j before i, each one product per block of bk
     channels, (x_i exp(G_i - G_r)) (k_j exp(G_r - G_j))^T with r the first row of i; the
-    diagonal blocks as products too (``channel.diagonal_factors``) on the sub-chunks that
+    diagonal blocks as products too (``gates.diagonal_factors``) on the sub-chunks that
     ``diagonal_fits`` (under a gate bound, all; the others are zero here, and
     ``_diagonal_kernel`` writes them); zeros above the diagonal. The tiles of the other
     sub-chunks are loaded where a pair needs them (from L1), which holds fewer registers
     than keeping them."""
     r = named(_AcrossRefs, names, refs)
-    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
@@ -127,11 +129,11 @@ def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
     """The diagonal block of sub-chunk b of one (chunk, head) in A and attn (as in
     ``_across_kernel``), written in place into a, attn [S, C] (the sub-chunk's rows), where
     b does not ``diagonal_fits``: pair by pair, one partner row p of b at a time
-    (``ChannelGates.partners``), K in blocks of bk channels."""
+    (``SubChunkGates.partners``), K in blocks of bk channels."""
     r = named(_DiagonalRefs, names, refs)
     S = SUB_CHUNK
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
-    chunk = rows_of_chunk(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
+    chunk = program_rows(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
     r = chunk_refs(in_place(r, chunk, ("q", "k", "q_rows", "k_rows")),
                    chunk.sub(sc.first, S), ("beta",))
     K = r.k.shape[1]
@@ -142,7 +144,7 @@ def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
         a = attn = jnp.zeros((S, S), jnp.float32)
         for cols in (pl.ds(j * bk, bk) for j in range(K // bk)):
             k, q = sc.rows(r.k, cols), sc.rows(r.q, cols)
-            for pt in ChannelGates(r.G, cols, sc).partners():
+            for pt in SubChunkGates(r.G, cols, sc).partners():
                 k_p = f32(r.k[pl.ds(pt.row, 1), cols]) * pt.decay
                 a = a + pt.column(jnp.sum(k * k_p, axis=1), pt.later)
                 attn = attn + pt.column(jnp.sum(q * k_p, axis=1), ~pt.earlier)
@@ -157,7 +159,7 @@ _TermsRefs = refs_type("_TermsRefs", "q k v G beta w u qg kd decay",
 def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     """T = (I + A)^-1 (or the T given), then w, u, qg, kd, decay of one (chunk, head)."""
     r = named(_TermsRefs, names, refs)
-    r = in_place(r, rows_of_chunk(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
     K = r.k.shape[1]
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -170,7 +172,7 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
         r.inv[...] = inv.astype(r.inv.dtype)
     inv_beta = inv * beta[None, :]
     for j in range(K // bk):
-        ch = ChannelBlock(r.G, j * bk, bk)
+        ch = ChunkGates(r.G, j * bk, bk)
         q, k = ch.load(r.q), ch.load(r.k)
         r.w[:, ch.cols] = dots.plain(inv_beta, k * ch.eg).astype(r.w.dtype)
         r.qg[:, ch.cols] = (q * ch.eg * scale).astype(r.qg.dtype)
@@ -194,7 +196,7 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
     (one program per (chunk, batch, head, sub-chunk of 16 rows); diagonal_blocks,
     ``ChunkBlocks.sub_chunk`` if None; not launched under a gate bound). q_rows, k_rows
     [B, T, HV] (both or neither): the rows of q, k are taken times them
-    (``channel.RowScaled``). Shapes, layout, gate_bound and precise as in
+    (``unit_rows.UnitRows``). Shapes, layout, gate_bound and precise as in
     ``intra_chunk``."""
     check_gate_bound(gate_bound)
     B, T, HV, K = k.shape
@@ -296,9 +298,9 @@ def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = 
     the chunk cumsum of the decays g <= 0 (``gate_cumsum.chunk_gate``), C a multiple of 16.
     gate_bound: None (any g <= 0), or a bound in [-5, 0) that every gate is known to
     respect (g in [gate_bound, 0)): then every diagonal block is a product
-    (``channel.diagonal_fits``) and the pair-by-pair kernel is not launched. precise:
+    (``gates.diagonal_fits``) and the pair-by-pair kernel is not launched. precise:
     3xTF32 products (fp32 inputs), else single TF32 products of the fp32 factor tiles
-    (bf16 inputs; see ``common.dots``). normalize_qk: q, k are raw, and the terms are
+    (bf16 inputs; see ``products.dots``). normalize_qk: q, k are raw, and the terms are
     those of their L2-normalised rows (the kernels scale the rows as they read them;
     ``l2_row_scales`` by XLA). The terms are float32, as the jnp twin's, but w, qg, kd and attn, which are
     tile_dtype: float16 halves the bytes of the state recurrences' tiles and keeps the
@@ -307,7 +309,7 @@ def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = 
     configuration of ``wy_terms`` (``ChunkBlocks.wy_terms`` if None); ``gated_sums`` runs
     with its own."""
     kw = dict(interpret=interpret, precise=precise, tile_dtype=tile_dtype,
-              **unit_row_scales(q, k, normalize_qk))
+              **operand_row_scales(q, k, normalize_qk))
     a, attn = gated_sums(q, k, G, beta, scale, layout, gate_bound=gate_bound, **kw)
     terms = wy_terms(q, k, v, G, beta, scale, layout, a=a, with_inverse=with_inverse, blocks=blocks,
                      **kw)
@@ -325,6 +327,6 @@ def recompute_terms(q, k, v, G, beta, scale: float, layout, kept, *, normalize_q
     ``wy_terms`` from T, without the gated sums. normalize_qk and kw as in
     ``intra_chunk``."""
     inv, attn = kept
-    return wy_terms(q, k, v, G, beta, scale, layout, inv=inv, **unit_row_scales(q, k, normalize_qk),
-                    **kw)._replace(attn=attn)
+    return wy_terms(q, k, v, G, beta, scale, layout, inv=inv,
+                    **operand_row_scales(q, k, normalize_qk), **kw)._replace(attn=attn)
 

@@ -1,0 +1,1 @@
+"""What the Triton kernels of both gates share."""

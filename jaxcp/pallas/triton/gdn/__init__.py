@@ -1,0 +1,1 @@
+"""Gated DeltaNet's Triton kernels (scalar gate)."""

@@ -1,0 +1,1 @@
+"""Kimi Delta Attention's Triton kernels (per-channel gate)."""
