@@ -5,7 +5,7 @@
 For GDN chunks (C = 64, K = 128, L2-normalised k, beta = sigmoid, g = logsigmoid of normals)
 it builds w = (I + A)^-1 X in two ways, every product rounded as the tensor cores would:
 
-    block merge    the kernels' function (jaxcp.pallas.intra._unit_lower_inverse):
+    block merge    the kernels' function (jaxcp.pallas.triton.common.products.unit_lower_inverse):
                    T_2s = T_s - T_s N_s T_s over diagonal blocks of size s = 1, 2, ..., C/2
     power series   (I - A)(I + A^2)...(I + A^(C/2)), the alternative the kernels avoid: for
                    correlated keys the powers of A grow like binomial coefficients
@@ -58,9 +58,9 @@ def dot_tf32x3(a, b):
 
 def block_merge_inverse(a, dot):
     """(I + a)^-1 for strictly lower a [C, C], C a power of two: the kernels' own function
-    (``jaxcp.pallas.intra._unit_lower_inverse``) with the emulated products."""
+    (``jaxcp.pallas.triton.common.products.unit_lower_inverse``) with the emulated products."""
     import jax.numpy as jnp
-    from jaxcp.pallas.intra import _unit_lower_inverse
+    from jaxcp.pallas.triton.common.products import unit_lower_inverse as _unit_lower_inverse
 
     f32 = lambda x: np.asarray(x, np.float32)
     return f32(_unit_lower_inverse(jnp.asarray(a, jnp.float32),
