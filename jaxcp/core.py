@@ -28,38 +28,26 @@ from functools import partial
 import jax
 
 from jaxcp.cp.exchange import Exchange, entry_states, exit_cotangents
-from jaxcp.gate import Gate
-from jaxcp.stages import Stages, stages_for
+from jaxcp.stages import StageOptions, Stages, stages_for
 from jaxcp.vma import match_cotangent
 
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Static settings of one call. gate: the decay gate's kind. exchange: the cross-device
-    step ("allgather" or "relay" over an axis in a layout, ``cp.exchange``; None without CP:
-    all_to_all wraps the op without CP, ``cp.strategies``). backend: "xla",
-    "pallas" or "interpret"; whether q, k, v, g, beta (and o) are token-major
-    [B, T, HV, ...] or in chunk layout is its ``Implementation``'s (``stages``).
-    normalize_qk: q, k are raw and the stages L2-normalise them. chunk_size: C.
-    gate_bound: a bound every decay respects, or None; unit_qk: the rows of q, k have unit
-    L2 norm; tokens: T of the token tensors where the stages need it told
-    (``stages.StageOptions``)."""
+    """Static settings of one call. options: how its stages are built (backend, gate,
+    products, normalisation: ``stages.StageOptions``; whether q, k, v, g, beta and o are
+    token-major [B, T, HV, ...] or in chunk layout is the backend's ``Implementation``'s).
+    exchange: the cross-device step ("allgather" or "relay" over an axis in a layout,
+    ``cp.exchange``); None without CP, and under all_to_all, which wraps the op without CP
+    (``cp.strategies``)."""
     scale: float
     output_final_state: bool
-    gate: Gate
+    options: StageOptions
     exchange: Exchange | None = None
-    backend: str = "xla"
-    dot_dtype: str = "float32"
-    normalize_qk: bool = False
-    chunk_size: int = 64
-    gate_bound: float | None = None
-    unit_qk: bool = False
-    tokens: int | None = None
 
     @property
     def stages(self) -> Stages:
-        return stages_for(self.backend, self.gate, self.dot_dtype, self.normalize_qk,
-                          self.chunk_size, self.gate_bound, self.unit_qk, self.tokens)
+        return stages_for(self.options)
 
 
 def _forward(cfg, q, k, v, g, beta, init, layouts, for_backward=False):

@@ -15,7 +15,7 @@ from jaxcp.cp.strategies import ContextParallel, run_sharded
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
-from jaxcp.stages import implementation, resolve_backend
+from jaxcp.stages import implementation, resolve_backend, stage_options
 
 
 def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_final_state,
@@ -49,15 +49,6 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     HV = v.shape[2]
     scale = K ** -0.5 if scale is None else float(scale)
     f32 = lambda x: x.astype(jnp.float32)
-    backend = resolve_backend(backend)
-    impl = implementation(backend, gate)
-    dot_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
-    normalize_in_kernels = use_qk_l2norm_in_kernel and impl.normalizes_qk(K)
-    q, k = f32(q), f32(k)
-    if use_qk_l2norm_in_kernel and not normalize_in_kernels:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q, k = (jnp.repeat(x.astype(impl.qk_dtype(dot_dtype)), HV // H, axis=2) for x in (q, k))
-
     if exchange is None:
         local, world = axis_pieces("contiguous", None, T), 1
     else:
@@ -66,11 +57,17 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
     NT = num_chunks(piece_len, chunk_size, n_seqs)
-    cfg = CoreConfig(scale=scale, output_final_state=output_final_state, gate=gate,
-                     exchange=exchange, backend=backend, dot_dtype=dot_dtype,
-                     normalize_qk=normalize_in_kernels, chunk_size=chunk_size,
-                     gate_bound=gate_bound, unit_qk=use_qk_l2norm_in_kernel,
-                     tokens=piece_len if impl.token_major else None)
+    backend = resolve_backend(backend)
+    impl = implementation(backend, gate)
+    opts = stage_options(backend, gate, v.dtype, K, unit_qk=use_qk_l2norm_in_kernel,
+                         chunk_size=chunk_size, gate_bound=gate_bound, tokens=piece_len)
+    cfg = CoreConfig(scale, output_final_state, opts, exchange)
+
+    q, k = f32(q), f32(k)
+    if use_qk_l2norm_in_kernel and not opts.normalize_qk:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q, k = (jnp.repeat(x.astype(impl.qk_dtype(opts.dot_dtype)), HV // H, axis=2)
+            for x in (q, k))
     pieces_in, layouts, unchunks = [], [], []
     for p in local:
         cut = (lambda x: x) if len(local) == 1 else (lambda x: x[:, p.offset:p.offset + p.length])
@@ -83,7 +80,7 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
         g_p = cfg.stages.gate(cut(g), layout, activation)
         if not impl.gate_cumsum:
             g_p = chunk(g_p)
-        v_p = cut(v).astype(impl.v_dtype(dot_dtype))
+        v_p = cut(v).astype(impl.v_dtype(opts.dot_dtype))
         pieces_in.append((chunk(cut(q)), chunk(cut(k)), chunk(v_p), g_p, chunk(f32(cut(beta)))))
         layouts.append(layout)
         unchunks.append(unchunk)

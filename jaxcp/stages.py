@@ -71,26 +71,31 @@ class Stages(NamedTuple):
 
 @dataclass(frozen=True)
 class StageOptions:
-    """Static settings the stages are built for. dot_dtype: the operand dtype of the
-    kernels' matrix products ("bfloat16" for bf16 inputs, as FLA does; accumulation and the
-    state stay float32). normalize_qk: ``intra`` and ``chunk_grads`` take raw q, k and
-    L2-normalise them inside the kernels; the cotangents are those of the raw q, k.
-    gate_bound: None, or a bound in [-5, 0) that every decay is known to respect (the KDA
-    gate computed with safe_gate and lower_bound), under which KDA's Pallas kernels take every
-    diagonal sub-chunk block as products without checking (``kda.gates``); the
-    others ignore it.
-    unit_qk: every row of q and k has unit L2 norm (the op normalised them, or the kernels
-    do), which bounds the terms that KDA's Pallas stages then keep in float16.
-    tokens: T, the length of the token tensors, for a token-major implementation whose
-    terms do not carry it (KDA's state_output writes o [B, T, HV, V]); None otherwise."""
+    """How the stages of one call are built, derived from the inputs by ``stage_options``.
+    backend: "xla", "pallas" or "interpret"; gate: the gate's kind. dot_dtype: the operand
+    dtype of the kernels' matrix products ("bfloat16" for bf16 inputs, as FLA does;
+    accumulation and the state stay float32). normalize_qk: ``intra`` and ``chunk_grads``
+    take raw q, k and L2-normalise them inside the kernels; the cotangents are those of the
+    raw q, k. chunk_size: C. gate_bound: None, or a bound in [-5, 0) that every decay
+    respects (the KDA gate computed with safe_gate and lower_bound), under which KDA's
+    Pallas kernels take every diagonal sub-chunk block as products without checking
+    (``kda.gates``); the others ignore it. unit_qk: every row of q and k has unit L2 norm
+    (the op normalised them, or the kernels do), which bounds the terms that KDA's Pallas
+    stages then keep in float16. tokens: T, the length of the token tensors, for a
+    token-major implementation (KDA's state_output writes o [B, T, HV, V]); None
+    otherwise."""
+    backend: str
     gate: Gate
-    interpret: bool = False
     dot_dtype: str = "float32"
     normalize_qk: bool = False
     chunk_size: int = 64
     gate_bound: float | None = None
     unit_qk: bool = False
     tokens: int | None = None
+
+    @property
+    def interpret(self) -> bool:
+        return self.backend == "interpret"
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ class Implementation:
     and k, and v, reach the kernels in bf16 when the inputs are bf16 (else float32; v is
     never transformed before the kernels, so bf16 v is exact where they read it as
     float32). gate_cumsum: the stages take G and return dG (module docstring). build: the
-    Stages for a StageOptions."""
+    Stages for a StageOptions (``stages_for``)."""
     backend: str
     gate: Gate
     token_major: bool
@@ -121,81 +126,81 @@ class Implementation:
         return K <= self.normalize_max_k
 
 
-def _xla_stages(o: StageOptions) -> Stages:
+def _xla_stages(opts: StageOptions) -> Stages:
     """Everything in jnp. Its chunk_grads recomputes the terms in its vjp and never reads
     the inverse."""
     intra = lambda q, k, v, g, beta, scale, layout, with_inverse=False: xla.intra_chunk(
-        q, k, v, g, beta, scale, gate=o.gate)
+        q, k, v, g, beta, scale, gate=opts.gate)
     chunk_grads = lambda q, k, v, g, beta, scale, layout, *rest: xla.chunk_grads(
-        q, k, v, g, beta, scale, *rest, gate=o.gate)
+        q, k, v, g, beta, scale, *rest, gate=opts.gate)
     intra_again = lambda q, k, v, g, beta, scale, layout, kept: intra(
         q, k, v, g, beta, scale, layout)
-    return Stages(partial(xla.per_token_decay, gate=o.gate), intra, lambda terms: None,
+    return Stages(partial(xla.per_token_decay, gate=opts.gate), intra, lambda terms: None,
                   intra_again, xla.state_output, xla.state_fwd, xla.state_last,
                   xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
-def _pallas_state_stages(o: StageOptions, out_dtype=None, **options) -> dict:
+def _pallas_state_stages(opts: StageOptions, out_dtype=None, **options) -> dict:
     """The state recurrences as Pallas kernels (both gates), token-major (o, do); options:
     the kernels' products (how their fp32 tiles meet the state, ``products.Fp32Products``)
     and blocks (``StateBlocks``) where not their defaults; out_dtype: o's dtype where not
     that of the terms' u."""
     from jaxcp.pallas.triton.common import state
-    kw = dict(gate=o.gate, token_major=True, interpret=o.interpret,
-              dot_dtype=jnp.dtype(o.dot_dtype), **options)
+    kw = dict(gate=opts.gate, token_major=True, interpret=opts.interpret,
+              dot_dtype=jnp.dtype(opts.dot_dtype), **options)
     stages = {name: partial(getattr(state, name), **kw) for name in (
         "state_fwd", "state_last", "cp_summary", "state_bwd")}
-    return dict(stages, state_output=partial(state.state_output, tokens=o.tokens,
+    return dict(stages, state_output=partial(state.state_output, tokens=opts.tokens,
                                              out_dtype=out_dtype, **kw))
 
 
-def _pallas_gdn_stages(o: StageOptions) -> Stages:
+def _pallas_gdn_stages(opts: StageOptions) -> Stages:
     """GDN: every stage but the gate a Pallas kernel, token-major."""
     from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
-    kw = dict(interpret=o.interpret, precise=o.dot_dtype == "float32",
-              normalize_qk=o.normalize_qk)
+    kw = dict(interpret=opts.interpret, precise=opts.dot_dtype == "float32",
+              normalize_qk=opts.normalize_qk)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
-        return gdn_intra.intra_chunk(q, k, v, g, beta, scale, layout, o.chunk_size,
+        return gdn_intra.intra_chunk(q, k, v, g, beta, scale, layout, opts.chunk_size,
                                      with_inverse=with_inverse,
-                                     out_dtype=jnp.dtype(o.dot_dtype), **kw)
+                                     out_dtype=jnp.dtype(opts.dot_dtype), **kw)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
-        return gdn_intra.recompute_w_u(q, k, v, g, beta, layout, o.chunk_size, kept, **kw)
+        return gdn_intra.recompute_w_u(q, k, v, g, beta, layout, opts.chunk_size, kept, **kw)
 
     def chunk_grads(q, k, v, g, beta, scale, layout, *rest):
-        return gdn_grads.chunk_grads(q, k, v, g, beta, scale, layout, o.chunk_size, *rest,
+        return gdn_grads.chunk_grads(q, k, v, g, beta, scale, layout, opts.chunk_size, *rest,
                                      **kw)
 
-    return Stages(gate=partial(xla.per_token_decay, gate=o.gate), intra=intra,
+    return Stages(gate=partial(xla.per_token_decay, gate=opts.gate), intra=intra,
                   keep=gdn_intra.kept_for_w_u, intra_again=intra_again, chunk_grads=chunk_grads,
-                  **_pallas_state_stages(o))
+                  **_pallas_state_stages(opts))
 
 
-def _pallas_kda_stages(o: StageOptions) -> Stages:
+def _pallas_kda_stages(opts: StageOptions) -> Stages:
     """KDA: every stage a Pallas kernel, token-major, taking G. The forward keeps T and
     attn; the backward computes w, u and the factor tiles again from T (``kda.intra``),
     and its input cotangents read T (``kda.grads``)."""
     from jaxcp.pallas.triton.common.products import Fp32Products
     from jaxcp.pallas.triton.kda import gate_cumsum, grads as kda_grads, intra as kda_intra
-    precise = o.dot_dtype == "float32"
-    products = Fp32Products.for_inputs(o.dot_dtype)
+    precise = opts.dot_dtype == "float32"
+    products = Fp32Products.for_inputs(opts.dot_dtype)
     # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
     # the state recurrences' TF32 products, at half the bytes (docs/precision.md)
-    tile_dtype = jnp.float16 if o.unit_qk and not precise else jnp.float32
-    kw = dict(normalize_qk=o.normalize_qk, interpret=o.interpret, precise=precise,
+    tile_dtype = jnp.float16 if opts.unit_qk and not precise else jnp.float32
+    kw = dict(normalize_qk=opts.normalize_qk, interpret=opts.interpret, precise=precise,
               tile_dtype=tile_dtype)
 
     def gate(g, layout, activation=None):
         A_log, dt_bias, lower_bound = activation or (None, None, None)
-        cfg = gate_cumsum.GateCumsum(o.chunk_size, layout.chunk_starts.shape[0],
+        cfg = gate_cumsum.GateCumsum(opts.chunk_size, layout.chunk_starts.shape[0],
                                      activate=activation is not None,
-                                     lower_bound=lower_bound, interpret=o.interpret)
+                                     lower_bound=lower_bound, interpret=opts.interpret)
         return gate_cumsum.chunk_gate(cfg, g, A_log, dt_bias, layout)
 
     def intra(q, k, v, G, beta, scale, layout, with_inverse=False):
         return kda_intra.intra_chunk(q, k, v, G, beta, scale, layout,
-                                     with_inverse=with_inverse, gate_bound=o.gate_bound, **kw)
+                                     with_inverse=with_inverse, gate_bound=opts.gate_bound, **kw)
 
     def intra_again(q, k, v, G, beta, scale, layout, kept):
         return kda_intra.recompute_terms(q, k, v, G, beta, scale, layout, kept, **kw)
@@ -205,8 +210,8 @@ def _pallas_kda_stages(o: StageOptions) -> Stages:
     # reference on the H100 (TF32: 2.8e-3; gpu_checks.md)
     def chunk_grads(q, k, v, G, beta, scale, layout, *rest):
         return kda_grads.chunk_grads(q, k, v, G, beta, scale, layout, *rest,
-                                     gate_bound=o.gate_bound, normalize_qk=o.normalize_qk,
-                                     interpret=o.interpret, precise=True, products=products)
+                                     gate_bound=opts.gate_bound, normalize_qk=opts.normalize_qk,
+                                     interpret=opts.interpret, precise=True, products=products)
 
     # The state recurrences keep KDA's terms finer than bf16 for every input dtype (TF32
     # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
@@ -215,8 +220,8 @@ def _pallas_kda_stages(o: StageOptions) -> Stages:
     # (docs/precision.md).
     # o leaves in the inputs' dot dtype (bf16 for bf16 inputs), as the op returns it
     # (launch configurations per kernel: ``StateBlocks.kda``)
-    state = _pallas_state_stages(replace(o, dot_dtype="float32"), products=products,
-                                 out_dtype=jnp.dtype(o.dot_dtype), tile_dtype=tile_dtype)
+    state = _pallas_state_stages(replace(opts, dot_dtype="float32"), products=products,
+                                 out_dtype=jnp.dtype(opts.dot_dtype), tile_dtype=tile_dtype)
     return Stages(gate=gate, intra=intra, keep=kda_intra.kept_for_terms,
                   intra_again=intra_again, chunk_grads=chunk_grads, **state)
 
@@ -252,16 +257,24 @@ def implementation(backend: str, gate: Gate) -> Implementation:
     return IMPLEMENTATIONS["pallas" if backend == "interpret" else backend, gate]
 
 
-@lru_cache(maxsize=None)
-def stages_for(backend: str, gate: Gate, dot_dtype: str = "float32",
-               normalize_qk: bool = False, chunk_size: int = 64,
-               gate_bound: float | None = None, unit_qk: bool = False,
-               tokens: int | None = None) -> Stages:
-    """The Stages of (backend, gate) built for these settings (see ``StageOptions``)."""
+def stage_options(backend: str, gate: Gate, input_dtype, K: int, *, unit_qk: bool,
+                  chunk_size: int = 64, gate_bound: float | None = None,
+                  tokens: int | None = None) -> StageOptions:
+    """The options of the stages for inputs whose v is of input_dtype and whose keys are K
+    wide: bf16 products for bf16 inputs, q, k normalised inside the kernels where the
+    implementation does it for this K and the caller asks for unit rows (unit_qk), the
+    token tensors' length where the implementation is token-major."""
     impl = implementation(backend, gate)
-    if normalize_qk and impl.normalize_max_k == 0:
-        raise ValueError(f"normalize_qk: the {impl.backend} stages for the {gate.value} gate "
-                         f"do not normalise q, k themselves")
-    return impl.build(StageOptions(gate, backend == "interpret", dot_dtype, normalize_qk,
-                                   chunk_size, gate_bound, unit_qk or normalize_qk,
-                                   tokens))
+    dot_dtype = "bfloat16" if jnp.dtype(input_dtype) == jnp.bfloat16 else "float32"
+    return StageOptions(backend, gate, dot_dtype, unit_qk and impl.normalizes_qk(K),
+                        chunk_size, gate_bound, unit_qk, tokens if impl.token_major else None)
+
+
+@lru_cache(maxsize=None)
+def stages_for(opts: StageOptions) -> Stages:
+    """The Stages of (opts.backend, opts.gate) built for opts."""
+    impl = implementation(opts.backend, opts.gate)
+    if opts.normalize_qk and impl.normalize_max_k == 0:
+        raise ValueError(f"normalize_qk: the {impl.backend} stages for the {opts.gate.value} "
+                         f"gate do not normalise q, k themselves")
+    return impl.build(replace(opts, unit_qk=opts.unit_qk or opts.normalize_qk))

@@ -15,7 +15,7 @@ from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
 from jaxcp.pallas.triton.common.products import Fp32Products, dots
 from jaxcp.pallas.triton.gdn import grads as pgdn_grads, intra as pgdn_intra
 from jaxcp.pallas.triton.kda import gate_cumsum, grads as pkda_grads, intra as pkda_intra
-from jaxcp.stages import stages_for
+from jaxcp.stages import StageOptions, stages_for
 from helpers import assert_rel, make_inputs, rel_err
 
 KINDS = ["gdn", "kda"]
@@ -585,7 +585,7 @@ def test_implementation_table():
     stages; "interpret" runs the Pallas entries; a normalize_qk that an implementation
     cannot do, or an unknown backend, is refused; a token-major o from plain terms needs
     its length told."""
-    from jaxcp.stages import implementation, stages_for
+    from jaxcp.stages import StageOptions, implementation, stages_for
     assert implementation("interpret", Gate.SCALAR) is implementation("pallas", Gate.SCALAR)
     assert [implementation(b, gate).token_major for b in ("xla", "pallas")
             for gate in Gate] == [False, False, True, True]
@@ -599,7 +599,7 @@ def test_implementation_table():
             for gate in Gate] == [jnp.float32, jnp.float32, jnp.bfloat16, jnp.bfloat16]
     for backend, gate in (("xla", Gate.SCALAR), ("interpret", Gate.CHANNEL)):
         with pytest.raises(ValueError, match="normalize_qk"):
-            stages_for(backend, gate, "float32", True)
+            stages_for(StageOptions(backend, gate, normalize_qk=True))
     with pytest.raises(ValueError, match="backend"):
         implementation("cuda", Gate.SCALAR)
     layout, chunks, _ = token_layout(64, 16)
@@ -633,7 +633,7 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
 def test_kda_stages_pick_precise_products(dtype, products):
     """KDA's Pallas state recurrences take float32 terms at TF32 for bf16 inputs and 3xTF32
     for fp32 ones, each kernel at its launch configuration (``StateBlocks.kda``)."""
-    st = stages_for("pallas", Gate.CHANNEL, dtype)
+    st = stages_for(StageOptions("pallas", Gate.CHANNEL, dtype))
     for stage in (st.state_output, st.state_fwd, st.state_bwd, st.cp_summary):
         assert stage.keywords["products"] is products
         assert "blocks" not in stage.keywords

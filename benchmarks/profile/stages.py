@@ -205,13 +205,14 @@ def _profile_kda(args, cu):
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout
-    from jaxcp.stages import implementation, stages_for
+    from jaxcp.stages import StageOptions, implementation, stages_for
 
     T, H, D, C = args.T, args.H, args.D, 64
     backend = "interpret" if args.interpret else "pallas"
     impl = implementation(backend, Gate.CHANNEL)
     qk_dtype, v_dtype = impl.qk_dtype("bfloat16"), impl.v_dtype("bfloat16")
-    st = stages_for(backend, Gate.CHANNEL, "bfloat16", False, C, unit_qk=True, tokens=T)
+    st = stages_for(StageOptions(backend, Gate.CHANNEL, "bfloat16", chunk_size=C, unit_qk=True,
+                                 tokens=T))
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
