@@ -24,6 +24,8 @@ import shutil
 import subprocess
 import sys
 
+from benchmarks.records import saver
+
 
 VARLEN = [0, 2960, 5212, 9513, 13567, 17443, 20634, 23521, 26281, 31785, 32768]
 
@@ -281,12 +283,7 @@ def main(argv=None) -> int:
             print(f"FLA not run (exit {child.returncode})", flush=True)
     import jax
 
-    def save(jaxcp_records=()):
-        # after every measurement, so that a run cut short keeps what it measured
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            json.dump(records + list(jaxcp_records), open(args.json, "w"), indent=1)
-
+    save = saver(args.json, records)
     save()
     records += run_jaxcp(args.T, args.H, args.D, W or len(jax.devices()), args.iters,
                          args.strategies.split(","), args.backend, save, names,

@@ -35,6 +35,8 @@ import os
 import subprocess
 import sys
 
+from benchmarks.records import saver
+
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
 CHUNK = 64
 # measured on H100 and H200: memory bytes/s, dense bf16 FLOP/s
@@ -276,12 +278,7 @@ def main(argv=None) -> int:
         else:
             print(f"FLA not run (exit {child.returncode}); see its messages above", flush=True)
 
-    def save(jaxcp_records=()):
-        # after every measurement, so that a run cut short keeps what it measured
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            json.dump(records + list(jaxcp_records), open(args.json, "w"), indent=1)
-
+    save = saver(args.json, records)
     save()
     records += run_jaxcp(args.op, configs, [i for i in impls if i != "fla"], args.iters,
                          fla_version, save, args.compile_threads, args.gate_in_kernel)
