@@ -226,14 +226,11 @@ def _pallas_kda_stages(opts: StageOptions) -> Stages:
                   intra_again=intra_again, chunk_grads=chunk_grads, **state)
 
 
-# In-kernel normalisation for GDN up to K = 128, as measured on the H100 (kernels.md): at
-# K = 128 it saves the norm's passes over q, k (op forward 5.48 -> 5.09 ms, fwd+bwd 17.39 ->
-# 16.62 at T = 32768, H = 64); at K = 256 the intra kernel normalises at no cost but the
-# cotangent kernels take 8.55 ms against 6.96 while XLA's norm costs 0.53. KDA's kernels
-# can normalise too (normalize_qk: raw q, k, v in the input dtype, rows scaled as read),
-# which would be normalize_max_k = 256 with narrow_qk; that saves memory but is slower,
-# and bf16 copies normalised by XLA lose too many digits on correlated keys (docs/design.md,
-# KDA), so KDA's q, k reach its kernels normalised by XLA, in float32.
+# In-kernel normalisation for GDN up to K = 128, where it saves the norm's passes over q, k;
+# at K = 256 its cotangent kernels are slower than XLA's norm. KDA's q, k reach its kernels
+# normalised by XLA in float32: normalising bf16 copies loses too many digits on correlated
+# keys, and its in-kernel path (normalize_qk) saves memory but is slower
+# (docs/benchmarks/kernels.md, kernels_kda.md).
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     #     backend   gate     token_major gate_cumsum normalize_max_k narrow_qk narrow_v build
     Implementation("xla", Gate.SCALAR, False, False, 0, False, False, _xla_stages),

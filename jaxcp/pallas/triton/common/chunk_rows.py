@@ -18,7 +18,7 @@ T repeat row T - 1). Those rows then add exact zeros, so the results are those o
 loads, as long as the products stay finite: an inf in the next sequence, or values so
 large that its products overflow float32, would reach this one as 0 * inf (that sequence's
 own results are not finite then either). GDN's intra kernel does: its [C, d] load masks
-cost it registers that it spilled on the H200 (0.3 ms of 2.7 at T = 32768, H = 64).
+cost it registers it spilled (docs/benchmarks/kernels.md).
 
 One reader serves every kernel. ``ChunkRows`` says where a chunk's rows are in a slab
 (``program_rows`` for the chunk of a per-chunk program, ``loop_rows`` for step i of a loop

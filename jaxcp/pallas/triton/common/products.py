@@ -25,9 +25,8 @@ class Fp32Products(enum.Enum):
     relative per product. TF32 (bf16 inputs whose intermediates stay fp32, KDA's): one TF32
     product, each operand rounded to TF32's 10-bit mantissa (2^-11 relative, 8x finer than
     bf16), at the cost of two bf16 products. BF16X3: hi + lo bf16 parts, three bf16
-    products, ~2^-16 relative, more digits than bf16 inputs can use; measured slower than
-    TF32 for KDA's kernels (H200, T = 32768, H = 64, K = 128: op forward+backward 70.3 ->
-    61.1 ms with TF32; docs/benchmarks/kernels_kda.md)."""
+    products, ~2^-16 relative, more digits than bf16 inputs can use, and slower than TF32
+    in KDA's kernels (docs/benchmarks/kernels_kda.md)."""
     TF32X3 = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     TF32 = lax.DotAlgorithmPreset.TF32_TF32_F32
     BF16X3 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
@@ -87,8 +86,8 @@ def dots(precise: bool, interpret: bool, *, rounded: bool = False,
     Otherwise (bf16 inputs): bf16 products of the inputs and single TF32 products of fp32
     tiles, the inverse's chain included: its error, ~2e-4 relative on w, is far under the
     bf16 rounding w is stored with (~2e-3; docs/precision.md); `split` takes the fp32
-    factor as two bf16 parts (``dot``), measured faster than one TF32 product for w and u
-    (H100: op forward 4.47 -> 4.01 ms at T = 32768, H = 64, K = 128). rounded (bf16 inputs
+    factor as two bf16 parts (``dot``), faster than one TF32 product for w and u
+    (docs/benchmarks/kernels.md). rounded (bf16 inputs
     only): fp32 operands are rounded to bf16 for `plain` products, for kernels whose results
     are gradients. Interpret mode (CPU) computes IEEE fp32."""
     def with_precision(precision):
