@@ -1,4 +1,5 @@
 """Context parallelism on 2, 4 and 8 fake CPU devices == single device == token reference."""
+import chex
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -184,3 +185,50 @@ def test_cp_token_major_pallas_interpret(strategy):
     args = make_inputs("gdn", 2, 2 * 64, 2, 2, 16, 16, n_states=2)
     compare("gdn", 2, strategy, args, None, check_vma=False, backend="interpret",
             single_device=False)
+
+
+# W = 4, T_local = 40: sequence A [0, 30) on device 0, B [30, 100) across devices 0-2,
+# C [100, 160) across devices 2-3 (zigzag: pieces of 20 tokens, B and C over several pieces
+# of both halves)
+ISOLATED = (slice(0, 30), slice(30, 100), slice(100, 160))
+
+
+def _poisoned(args, kind):
+    """A NaN in one token of A's v and an Inf in one token of C's g: the forward carries A's
+    state into B's pieces, the backward C's cotangents into B's."""
+    q, k, v, g, beta, h0 = args
+    v = v.at[:, 5].set(jnp.nan)
+    g = g.at[:, 120].set(-jnp.inf if kind == "gdn" else jnp.nan)
+    return q, k, v, g, beta, h0
+
+
+def _sequence(out, grads, s: slice, n: int):
+    """Sequence n's o, final state and gradients (its tokens s; its initial state n)."""
+    (o, final), (dq, dk, dv, dg, dbeta, dh0) = out, grads
+    return (o[:, s], final[n], *(x[:, s] for x in (dq, dk, dv, dg, dbeta)), dh0[n])
+
+
+@pytest.mark.parametrize("kind, strategy, cp_layout, backend", [
+    (kind, *case) for kind in ("gdn", "kda") for case in (
+        ("allgather", "contiguous", None), ("allgather", "zigzag", None),
+        ("relay", "contiguous", None), ("all_to_all", "contiguous", None))]
+    + [("kda", "allgather", "zigzag", "interpret")])
+def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend):
+    """A NaN or Inf in one packed sequence reaches no other: B's o, final state and every
+    gradient are finite and those of the run without them (a sequence start selects, never
+    multiplies by zero: ``cp.merge``), for both gates and every strategy; the Pallas kernels
+    (KDA's, in interpret mode, with check_vma off as above) once."""
+    cu = jnp.asarray([0, 30, 100, 160], jnp.int32)
+    args = make_inputs(kind, 1, 160, 4, 4, 16, 16, n_states=3, seed=41)
+    wo, wf = cotangents(args[2].shape, args[5].shape)
+    cp = cp_call(OPS[kind][0], mesh_of(4), "seq", cp_strategy=strategy, cp_layout=cp_layout,
+                 backend=backend, check_vma=backend is None, cu_seqlens=cu,
+                 use_qk_l2norm_in_kernel=True)
+    run = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))
+    clean, poisoned = run(*args), run(*_poisoned(args, kind))
+    b_clean, b_poisoned = (_sequence(*r, ISOLATED[1], 1) for r in (clean, poisoned))
+    chex.assert_tree_all_finite(b_poisoned)
+    chex.assert_trees_all_close(b_poisoned, b_clean, rtol=1e-6, atol=1e-6)
+    # the poison took: A's outputs and C's final state are not finite
+    assert not np.isfinite(np.asarray(poisoned[0][0][:, ISOLATED[0]])).all()
+    assert not np.isfinite(np.asarray(poisoned[0][1][2])).all()

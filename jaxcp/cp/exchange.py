@@ -45,6 +45,11 @@ def _shift(axis: str, x: jax.Array, step: int) -> jax.Array:
     return lax.ppermute(x, axis, perm)
 
 
+def _resets(layout) -> jax.Array:
+    """[B] int32: 1 where a sequence starts in the piece (its M is zero)."""
+    return jnp.any(layout.chunk_starts, axis=0).astype(jnp.int32)
+
+
 def _gather_summaries(ex: Exchange, per_piece: list):
     """All-gather each local piece's arrays (a pytree per piece) over the axis, in one
     collective, and stack them in sequence order: [n_pieces, ...]."""
@@ -54,8 +59,9 @@ def _gather_summaries(ex: Exchange, per_piece: list):
 
 
 def entry_states(ex: Exchange | None, stages, terms: list, layouts: list, init):
-    """The state entering each local piece's first chunk, and each piece's transition M
-    (allgather; None otherwise). ex None: no CP, zero states."""
+    """The state entering each local piece's first chunk, and each piece's transition M with
+    its resets ([B]: a sequence starts in the piece) for the backward (allgather; None
+    otherwise). ex None: no CP, zero states."""
     zeros = [zero_state(t) for t in terms]
     if ex is None:
         return zeros, [None] * len(terms)
@@ -63,10 +69,11 @@ def entry_states(ex: Exchange | None, stages, terms: list, layouts: list, init):
     if ex.strategy == "allgather":
         n_pieces = lax.axis_size(ex.axis) * len(pieces)
         # no piece after the last one reads its summary
-        summaries = [stages.cp_summary(t, lay, init, unused=p == n_pieces - 1)
+        summaries = [(*stages.cp_summary(t, lay, init, unused=p == n_pieces - 1), _resets(lay))
                      for t, lay, p in zip(terms, layouts, pieces)]
-        ext_all, m_all = _gather_summaries(ex, summaries)
-        return [merge_prefix(ext_all, m_all, p) for p in pieces], [m for _, m in summaries]
+        ext_all, m_all, resets_all = _gather_summaries(ex, summaries)
+        return ([merge_prefix(ext_all, m_all, resets_all, p) for p in pieces],
+                [(m, resets) for _, m, resets in summaries])
     (t,), (lay,) = terms, layouts
     relay = lambda _, s_in: _shift(ex.axis, stages.state_last(t, lay, init, s_in), +1)
     return [lax.fori_loop(0, lax.axis_size(ex.axis) - 1, relay, zeros[0])], [None]
@@ -75,7 +82,7 @@ def entry_states(ex: Exchange | None, stages, terms: list, layouts: list, init):
 def exit_cotangents(ex: Exchange | None, stages, terms: list, layouts: list, do: tuple,
                     d_final, ms: list):
     """The cotangent of the state leaving each local piece's last chunk, from the pieces
-    after it (ms: the pieces' transitions from ``entry_states``). ex None: zeros."""
+    after it (ms: the pieces' transitions and resets from ``entry_states``). ex None: zeros."""
     zeros = [zero_state(t) for t in terms]
     if ex is None:
         return zeros
@@ -84,10 +91,10 @@ def exit_cotangents(ex: Exchange | None, stages, terms: list, layouts: list, do:
     pieces = axis_piece_indices(ex.layout, ex.axis)
     if ex.strategy == "allgather":
         # no piece before the first one reads its entry cotangent
-        d_ext_all, m_all = _gather_summaries(ex, [
-            (entry_grad(t, lay, d, z, p == 0), m)
-            for t, lay, d, z, p, m in zip(terms, layouts, do, zeros, pieces, ms)])
-        return [merge_suffix(d_ext_all, m_all, p) for p in pieces]
+        d_ext_all, m_all, resets_all = _gather_summaries(ex, [
+            (entry_grad(t, lay, d, z, p == 0), m, resets)
+            for t, lay, d, z, p, (m, resets) in zip(terms, layouts, do, zeros, pieces, ms)])
+        return [merge_suffix(d_ext_all, m_all, resets_all, p) for p in pieces]
     (t,), (lay,), (d,) = terms, layouts, do
     relay = lambda _, d_last: _shift(ex.axis, entry_grad(t, lay, d, d_last), -1)
     return [lax.fori_loop(0, lax.axis_size(ex.axis) - 1, relay, zeros[0])]

@@ -8,6 +8,10 @@ a sequence). The backward mirrors it: the cotangent of piece r's exit state is
 dS_in_{r+1} = dE_{r+1} + M_{r+1}^T dS_out_{r+1}, a suffix composition of the later pieces'
 (dE_j, M_j^T), where dE_j is the cotangent of piece j's entry state from its own outputs.
 The arrays are [n_pieces, ...] in sequence order; `rank` is the piece's place in it.
+
+A piece in which a sequence starts has M = 0: nothing before it reaches its exit state, and
+nothing after it reaches its entry's cotangent. The merges select there (``resets``) rather
+than multiply by M, so that a NaN or Inf in one sequence never reaches another.
 """
 import jax
 import jax.numpy as jnp
@@ -15,20 +19,30 @@ import jax.numpy as jnp
 from jaxcp.terms import einsum
 
 
-def merge_prefix(ext_all: jax.Array, m_all: jax.Array, rank: jax.Array) -> jax.Array:
-    """ext_all [W, ..., K, V], m_all [W, ..., K, K] -> the state entering piece `rank`."""
+def _per_row(resets: jax.Array, like: jax.Array) -> jax.Array:
+    """resets [B] of one piece, broadcast against a [B, HV, ...] state."""
+    return resets.reshape(resets.shape + (1,) * (like.ndim - resets.ndim)).astype(bool)
+
+
+def merge_prefix(ext_all: jax.Array, m_all: jax.Array, resets_all: jax.Array,
+                 rank: jax.Array) -> jax.Array:
+    """ext_all [W, B, HV, K, V], m_all [W, B, HV, K, K], resets_all [W, B] (a sequence starts
+    in the piece) -> the state entering piece `rank`."""
     state = jnp.zeros_like(ext_all[0])
     for j in range(ext_all.shape[0]):
-        composed = einsum("...ij,...jv->...iv", m_all[j], state) + ext_all[j]
+        carried = einsum("...ij,...jv->...iv", m_all[j], state) + ext_all[j]
+        composed = jnp.where(_per_row(resets_all[j], state), ext_all[j], carried)
         state = jnp.where(j < rank, composed, state)
     return state
 
 
-def merge_suffix(d_ext_all: jax.Array, m_all: jax.Array, rank: jax.Array) -> jax.Array:
-    """d_ext_all [W, ..., K, V], m_all [W, ..., K, K] -> cotangent of piece `rank`'s exit
-    state from the pieces after it."""
+def merge_suffix(d_ext_all: jax.Array, m_all: jax.Array, resets_all: jax.Array,
+                 rank: jax.Array) -> jax.Array:
+    """d_ext_all [W, B, HV, K, V], m_all [W, B, HV, K, K], resets_all [W, B] -> cotangent of
+    piece `rank`'s exit state from the pieces after it."""
     d = jnp.zeros_like(d_ext_all[0])
     for j in reversed(range(d_ext_all.shape[0])):
-        composed = einsum("...ji,...jv->...iv", m_all[j], d) + d_ext_all[j]
+        carried = einsum("...ji,...jv->...iv", m_all[j], d) + d_ext_all[j]
+        composed = jnp.where(_per_row(resets_all[j], d), d_ext_all[j], carried)
         d = jnp.where(j > rank, composed, d)
     return d
