@@ -211,20 +211,24 @@ def _sequence(out, grads, s: slice, n: int):
 @pytest.mark.parametrize("kind, strategy, cp_layout, backend", [
     (kind, *case) for kind in ("gdn", "kda") for case in (
         ("allgather", "contiguous", None), ("allgather", "zigzag", None),
-        ("relay", "contiguous", None), ("all_to_all", "contiguous", None))]
+        ("relay", "contiguous", None), ("all_to_all", "contiguous", None),
+        (None, None, None))]
     + [("kda", "allgather", "zigzag", "interpret")])
 def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend):
     """A NaN or Inf in one packed sequence reaches no other: B's o, final state and every
     gradient are finite and those of the run without them (a sequence start selects, never
-    multiplies by zero: ``cp.merge``), for both gates and every strategy; the Pallas kernels
-    (KDA's, in interpret mode, with check_vma off as above) once."""
+    multiplies by zero: ``cp.merge``), for both gates, every strategy and one device; the
+    Pallas kernels (KDA's, in interpret mode, with check_vma off as above) once."""
     cu = jnp.asarray([0, 30, 100, 160], jnp.int32)
     args = make_inputs(kind, 1, 160, 4, 4, 16, 16, n_states=3, seed=41)
     wo, wf = cotangents(args[2].shape, args[5].shape)
-    cp = cp_call(OPS[kind][0], mesh_of(4), "seq", cp_strategy=strategy, cp_layout=cp_layout,
-                 backend=backend, check_vma=backend is None, cu_seqlens=cu,
-                 use_qk_l2norm_in_kernel=True)
-    run = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))
+    kw = dict(backend=backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    if strategy is None:         # one device
+        run = jax.jit(lambda *a: value_and_grads(OPS[kind][0], a, wo, wf, **kw))
+    else:
+        cp = cp_call(OPS[kind][0], mesh_of(4), "seq", cp_strategy=strategy,
+                     cp_layout=cp_layout, check_vma=backend is None, **kw)
+        run = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))
     clean, poisoned = run(*args), run(*_poisoned(args, kind))
     b_clean, b_poisoned = (_sequence(*r, ISOLATED[1], 1) for r in (clean, poisoned))
     chex.assert_tree_all_finite(b_poisoned)
