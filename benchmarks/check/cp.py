@@ -30,7 +30,8 @@ def parse_args(argv=None):
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--varlen", default="auto",
-                    help="cu_seqlens as comma list, 'auto' (a packed set crossing devices) or 'none'")
+                    help="cu_seqlens as comma list, 'auto' (a packed set crossing devices) "
+                         "or 'none'")
     ap.add_argument("--iters", type=int, default=3, help="timed runs (median)")
     ap.add_argument("--backend", default=None, choices=["xla", "pallas", "interpret"],
                     help="jaxcp backend (default: automatic)")

@@ -120,8 +120,9 @@ def markdown(records: list[dict]) -> str:
     for r in records:
         errs = " | ".join(f"{r['errors'][n]:.1e}" for n in NAMES)
         result = "ok" if within_limits(r["errors"], r["dtype"]) else "over"
-        lines.append(f"| {r['device']} | {r['op']} | {r['layout']} | {r['keys']} | {r['dtype']} | {r['T']} | "
-                     f"{r['D']} | {r['H']} | {r['repeat']} | {errs} | {result} |")
+        lines.append(f"| {r['device']} | {r['op']} | {r['layout']} | {r['keys']} | "
+                     f"{r['dtype']} | {r['T']} | {r['D']} | {r['H']} | {r['repeat']} | "
+                     f"{errs} | {result} |")
     return "\n".join(lines) + "\n"
 
 

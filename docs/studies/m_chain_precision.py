@@ -10,8 +10,8 @@ store them, it runs M <- decay M - kd^T (w M) with every product as
     ieee     float32 products (numpy)
     tf32x3   3xTF32 products (``inverse_precision.dot_tf32x3``), the kernels' fp32-input path
     bf16x2   the fp32 operand (M, then w M) split into two bf16 parts hi + lo, each
-             multiplied by the bf16 tile exactly (``jaxcp.pallas.triton.common.products.dot(split=True)``),
-             the kernels' bf16-input path
+             multiplied by the bf16 tile exactly (``dot(split=True)`` of
+             ``jaxcp.pallas.triton.common.products``), the kernels' bf16-input path
 
 and compares with the same chain in float64. Prints the median and max relative error of M
 over the trials, and |M| / |I|. Each chunk projects out most of its keys' directions, so M
