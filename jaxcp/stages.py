@@ -140,14 +140,41 @@ def _xla_stages(opts: StageOptions) -> Stages:
                   xla.cp_summary, xla.state_bwd, chunk_grads)
 
 
-def _pallas_state_stages(opts: StageOptions, out_dtype=None, **options) -> dict:
-    """The state recurrences as Pallas kernels (both gates), token-major (o, do); options:
-    the kernels' products (how their fp32 tiles meet the state, ``products.Fp32Products``)
-    and blocks (``StateBlocks``) where not their defaults; out_dtype: o's dtype where not
-    that of the terms' u."""
+def _gdn_precision(opts: StageOptions):
+    """GDN's ``KernelPrecision``: products, stored terms and the state recurrences in the
+    dot dtype (bf16 for bf16 inputs, with bf16 and TF32 products, as FLA); precise 3xTF32
+    products for fp32 inputs."""
+    from jaxcp.pallas.triton.common.products import KernelPrecision
+    dtype = jnp.dtype(opts.dot_dtype)
+    return KernelPrecision(dot_dtype=dtype, tile_dtype=dtype, precise=dtype == jnp.float32)
+
+
+def _kda_precision(opts: StageOptions):
+    """KDA's ``KernelPrecision``: precise products for fp32 inputs, bf16 and TF32 ones for
+    bf16 inputs (``kda.intra``; chunk_grads takes them precise for both, see
+    ``_pallas_kda_stages``), and float32 state recurrences whose fp32 products are
+    ``Fp32Products.for_inputs``."""
+    from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision
+    precise = opts.dot_dtype == "float32"
+    # The state recurrences keep KDA's terms finer than bf16 for every input dtype (TF32
+    # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
+    # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
+    # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
+    # (docs/precision.md).
+    # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
+    # the state recurrences' TF32 products, at half the bytes (docs/precision.md)
+    tile_dtype = jnp.float16 if opts.unit_qk and not precise else jnp.float32
+    return KernelPrecision(dot_dtype=jnp.float32, tile_dtype=tile_dtype, precise=precise,
+                           products=Fp32Products.for_inputs(opts.dot_dtype))
+
+
+def _pallas_state_stages(opts: StageOptions, precision, out_dtype=None) -> dict:
+    """The state recurrences as Pallas kernels (both gates), token-major (o, do), at
+    precision (``products.KernelPrecision``); out_dtype: o's dtype where not that of the
+    terms' u."""
     from jaxcp.pallas.triton.common import state
     kw = dict(gate=opts.gate, token_major=True, interpret=opts.interpret,
-              dot_dtype=jnp.dtype(opts.dot_dtype), **options)
+              precision=precision)
     stages = {name: partial(getattr(state, name), **kw) for name in (
         "state_fwd", "state_last", "cp_summary", "state_bwd")}
     return dict(stages, state_output=partial(state.state_output, tokens=opts.tokens,
@@ -157,13 +184,12 @@ def _pallas_state_stages(opts: StageOptions, out_dtype=None, **options) -> dict:
 def _pallas_gdn_stages(opts: StageOptions) -> Stages:
     """GDN: every stage but the gate a Pallas kernel, token-major."""
     from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
-    kw = dict(interpret=opts.interpret, precise=opts.dot_dtype == "float32",
-              normalize_qk=opts.normalize_qk)
+    precision = _gdn_precision(opts)
+    kw = dict(interpret=opts.interpret, precision=precision, normalize_qk=opts.normalize_qk)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         return gdn_intra.intra_chunk(q, k, v, g, beta, scale, layout, opts.chunk_size,
-                                     with_inverse=with_inverse,
-                                     out_dtype=jnp.dtype(opts.dot_dtype), **kw)
+                                     with_inverse=with_inverse, **kw)
 
     def intra_again(q, k, v, g, beta, scale, layout, kept):
         return gdn_intra.recompute_w_u(q, k, v, g, beta, layout, opts.chunk_size, kept, **kw)
@@ -174,22 +200,16 @@ def _pallas_gdn_stages(opts: StageOptions) -> Stages:
 
     return Stages(gate=partial(xla.per_token_decay, gate=opts.gate), intra=intra,
                   keep=gdn_intra.kept_for_w_u, intra_again=intra_again, chunk_grads=chunk_grads,
-                  **_pallas_state_stages(opts))
+                  **_pallas_state_stages(opts, precision))
 
 
 def _pallas_kda_stages(opts: StageOptions) -> Stages:
     """KDA: every stage a Pallas kernel, token-major, taking G. The forward keeps T and
     attn; the backward computes w, u and the factor tiles again from T (``kda.intra``),
     and its input cotangents read T (``kda.grads``)."""
-    from jaxcp.pallas.triton.common.products import Fp32Products
     from jaxcp.pallas.triton.kda import gate_cumsum, grads as kda_grads, intra as kda_intra
-    precise = opts.dot_dtype == "float32"
-    products = Fp32Products.for_inputs(opts.dot_dtype)
-    # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
-    # the state recurrences' TF32 products, at half the bytes (docs/precision.md)
-    tile_dtype = jnp.float16 if opts.unit_qk and not precise else jnp.float32
-    kw = dict(normalize_qk=opts.normalize_qk, interpret=opts.interpret, precise=precise,
-              tile_dtype=tile_dtype)
+    precision = _kda_precision(opts)
+    kw = dict(normalize_qk=opts.normalize_qk, interpret=opts.interpret, precision=precision)
 
     def gate(g, layout, activation=None):
         A_log, dt_bias, lower_bound = activation or (None, None, None)
@@ -208,20 +228,16 @@ def _pallas_kda_stages(opts: StageOptions) -> Stages:
     # Products that keep fp32 tiles finer than bf16 for every input dtype (TF32 for bf16
     # inputs): with bf16 products, correlated keys put dq and dbeta at 9e-3 to 1.2e-2 of the
     # reference on the H100 (TF32: 2.8e-3; gpu_checks.md)
+    grads_precision = replace(precision, precise=True)
+
     def chunk_grads(q, k, v, G, beta, scale, layout, *rest):
         return kda_grads.chunk_grads(q, k, v, G, beta, scale, layout, *rest,
                                      gate_bound=opts.gate_bound, normalize_qk=opts.normalize_qk,
-                                     interpret=opts.interpret, precise=True, products=products)
+                                     interpret=opts.interpret, precision=grads_precision)
 
-    # The state recurrences keep KDA's terms finer than bf16 for every input dtype (TF32
-    # products for bf16 inputs). GDN's kd and qg reach them as the bf16 inputs times fp32
-    # row factors, exact; KDA's are rounded products, and with correlated keys w, kd, u, qg
-    # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
-    # (docs/precision.md).
     # o leaves in the inputs' dot dtype (bf16 for bf16 inputs), as the op returns it
     # (launch configurations per kernel: ``StateBlocks.kda``)
-    state = _pallas_state_stages(replace(opts, dot_dtype="float32"), products=products,
-                                 out_dtype=jnp.dtype(opts.dot_dtype), tile_dtype=tile_dtype)
+    state = _pallas_state_stages(opts, precision, out_dtype=jnp.dtype(opts.dot_dtype))
     return Stages(gate=gate, intra=intra, keep=kda_intra.kept_for_terms,
                   intra_again=intra_again, chunk_grads=chunk_grads, **state)
 

@@ -12,7 +12,7 @@ from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
 from jaxcp.pallas.triton.common import state as pstate
 from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
-from jaxcp.pallas.triton.common.products import Fp32Products, dots
+from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision, dots
 from jaxcp.pallas.triton.gdn import grads as pgdn_grads, intra as pgdn_intra
 from jaxcp.pallas.triton.kda import gate_cumsum, grads as pkda_grads, intra as pkda_intra
 from jaxcp.stages import StageOptions, stages_for
@@ -163,7 +163,8 @@ def test_kda_state_kernels_read_float16_tiles():
     rng = np.random.default_rng(4)
     h0 = jnp.asarray(rng.standard_normal((1, 2, 16, 32)), jnp.float32)
     do = jnp.asarray(rng.standard_normal(terms.u.shape), jnp.float32)
-    kw = dict(gate=Gate.CHANNEL, interpret=True, tile_dtype=jnp.float16)
+    kw = dict(gate=Gate.CHANNEL, interpret=True,
+              precision=KernelPrecision(tile_dtype=jnp.float16))
     got = (pstate.state_output(terms, layout, init, h0, True, **kw)
            + pstate.state_fwd(terms, layout, init, h0, **kw)
            + pstate.state_bwd(terms, layout, do, None, h0, **kw))
@@ -622,7 +623,8 @@ def test_cp_summary_keeps_the_transition_fp32_accurate_with_bf16_tiles():
     exact = rounded._replace(w=rounded.w.astype(jnp.float32), kd=rounded.kd.astype(jnp.float32),
                              u=rounded.u.astype(jnp.float32))
     m = pstate.cp_summary(rounded, layout, init, gate=Gate.SCALAR, interpret=True,
-                         dot_dtype=jnp.bfloat16)[1]
+                         precision=KernelPrecision(dot_dtype=jnp.bfloat16,
+                                                   tile_dtype=jnp.bfloat16))[1]
     want = xla.cp_summary(exact, layout, init)[1]
     assert float(jnp.abs(want - jnp.eye(16)).max()) > 0.01
     assert_rel(m, want, 1e-4, "M")
@@ -635,9 +637,9 @@ def test_kda_stages_pick_precise_products(dtype, products):
     for fp32 ones, each kernel at its launch configuration (``StateBlocks.kda``)."""
     st = stages_for(StageOptions("pallas", Gate.CHANNEL, dtype))
     for stage in (st.state_output, st.state_fwd, st.state_bwd, st.cp_summary):
-        assert stage.keywords["products"] is products
+        assert stage.keywords["precision"].products is products
         assert "blocks" not in stage.keywords
-        assert stage.keywords["dot_dtype"] == jnp.float32
+        assert stage.keywords["precision"].dot_dtype == jnp.float32
     assert Fp32Products.for_inputs(dtype) is products
 
 
@@ -659,7 +661,7 @@ def test_bf16x3_products_keep_16_bits():
     entry (bf16 rounding of an fp32 operand would be 2^-9)."""
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.standard_normal((32, 32)), jnp.float32) for _ in range(2))
-    product = dots(True, interpret=False, products=Fp32Products.BF16X3).plain
+    product = dots(KernelPrecision(products=Fp32Products.BF16X3), interpret=False).plain
     for x, y in ((a, b), (a.astype(jnp.bfloat16), b), (a, b.astype(jnp.bfloat16))):
         want = np.asarray(x, np.float64) @ np.asarray(y, np.float64)
         got = np.asarray(product(x, y))

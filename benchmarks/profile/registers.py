@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from jaxcp.layout import build_layout
     from jaxcp.pallas.triton.common.launch import ChunkBlocks
-    from jaxcp.pallas.triton.common.products import Fp32Products
+    from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision
     from jaxcp.pallas.triton.kda import grads as kda_grads, intra as kda_intra
     from jaxcp.terms import ChunkTerms
 
@@ -123,22 +123,24 @@ def main(argv=None) -> int:
     token = jax.ShapeDtypeStruct((B, T, H, K), args.dtype)
     token_vec = jax.ShapeDtypeStruct((B, T, H), args.dtype)
     layout, _ = build_layout(B, T, C, None, 0, T)
-    products = Fp32Products.for_inputs(args.dtype)
+    # the intra kernels' products for bf16 inputs; chunk_grads' as the stage table picks them
+    fast = KernelPrecision(precise=False)
+    precise = KernelPrecision(products=Fp32Products.for_inputs(args.dtype))
     scale = K ** -0.5
     rows = lambda q, k: operand_row_scales(q, k, args.normalize_qk)
     programs = {
         "forward gated sums": (lambda q, k, G, beta: kda_intra.gated_sums(
-            q, k, G, beta, scale, layout, gate_bound=args.gate_bound, precise=False,
+            q, k, G, beta, scale, layout, gate_bound=args.gate_bound, precision=fast,
             blocks=blocks, diagonal_blocks=blocks, **rows(q, k)),
             (token, token, tile, token_vec)),
         "forward terms": (lambda q, k, v, G, beta, a: kda_intra.wy_terms(
-            q, k, v, G, beta, scale, layout, a=a, precise=False, blocks=blocks,
+            q, k, v, G, beta, scale, layout, a=a, precision=fast, blocks=blocks,
             with_inverse=True, **rows(q, k)), (token, token, token, tile, token_vec, square)),
         "cotangents": (lambda q, k, v, G, beta, w, u, inv, h, v_new, x, dvn, do:
                        kda_grads.chunk_grads(
                            q, k, v, G, beta, scale, layout,
                            ChunkTerms(w, u, None, None, None, None, inv), h, v_new, x, dvn, do,
-                           gate_bound=args.gate_bound, precise=True, products=products,
+                           gate_bound=args.gate_bound, precision=precise,
                            normalize_qk=args.normalize_qk, blocks=blocks),
                        (token,) * 3 + (tile, token_vec, tile, tile, square, state, tile, state,
                                        tile, token)),

@@ -61,6 +61,7 @@ def main(argv=None):
     from jaxcp.layout import build_layout, num_chunks, to_chunks
     from jaxcp.pallas.triton.common import state as pstate
     from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
+    from jaxcp.pallas.triton.common.products import KernelPrecision
     from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
     from jaxcp.stages import implementation
 
@@ -90,17 +91,18 @@ def main(argv=None):
     if not norm_inside:
         q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
     token_args = (q, k, v, g, beta)
-    pallas = dict(interpret=args.interpret, normalize_qk=norm_inside)
-    intra = partial(gdn_intra.intra_chunk, scale=scale, layout=layout, chunk_size=C, precise=False,
-                    out_dtype=bf16, **pallas)
+    # bf16 products, terms and state recurrences, as the stage table picks for bf16 inputs
+    precision = KernelPrecision(dot_dtype=bf16, tile_dtype=bf16, precise=False)
+    pallas = dict(interpret=args.interpret, normalize_qk=norm_inside, precision=precision)
+    intra = partial(gdn_intra.intra_chunk, scale=scale, layout=layout, chunk_size=C, **pallas)
     timed("intra_chunk", lambda *xs: intra(*xs), *token_args)
     terms = timed("intra_chunk keeping the inverse (forward under grad)",
                   lambda *xs: intra(*xs, with_inverse=True), *token_args)
     timed("recompute_w_u (backward)", lambda kept, *xs: gdn_intra.recompute_w_u(
-        *xs, layout, C, kept, precise=False, **pallas), gdn_intra.kept_for_w_u(terms),
+        *xs, layout, C, kept, **pallas), gdn_intra.kept_for_w_u(terms),
         *token_args)
     h0 = jnp.zeros((1, H, D, D), jnp.float32)
-    kw = dict(gate=Gate.SCALAR, dot_dtype=bf16, interpret=args.interpret, token_major=True)
+    kw = dict(gate=Gate.SCALAR, precision=precision, interpret=args.interpret, token_major=True)
     output = lambda t, blocks=None: pstate.state_output(t, layout, None, h0, False,
                                                         blocks=blocks, **kw)[0]
     timed("state_output (fwd recurrence + output)", output, terms)
@@ -110,7 +112,7 @@ def main(argv=None):
     _, _, x, dvn = timed("state_bwd", lambda t, d: pstate.state_bwd(
         t, layout, d, None, h0, **kw), terms, do)
     grads = lambda *xs, blocks=None: gdn_grads.chunk_grads(*xs[:5], scale, layout, C, *xs[5:],
-                                                           precise=False, blocks=blocks, **pallas)
+                                                           blocks=blocks, **pallas)
     timed("chunk_grads", grads, *token_args, terms, h, vn, x, dvn, do)
     _cp_rows(timed, partial(pstate.cp_summary, **kw), partial(pstate.state_bwd, **kw),
              terms, layout, do, h0)
@@ -126,9 +128,9 @@ def main(argv=None):
         flipped = qk + token_args[2:]
         how = "normalising q, k" if other["normalize_qk"] else "on q, k normalised by XLA"
         timed(f"variant: intra_chunk {how}", lambda *xs: gdn_intra.intra_chunk(
-            *xs, scale, layout, C, precise=False, out_dtype=bf16, **other), *flipped)
+            *xs, scale, layout, C, **other), *flipped)
         timed(f"variant: chunk_grads {how}", lambda *xs: gdn_grads.chunk_grads(
-            *xs[:5], scale, layout, C, *xs[5:], precise=False, **other),
+            *xs[:5], scale, layout, C, *xs[5:], **other),
             *flipped, terms, h, vn, x, dvn, do)
         for bv in (32, 16):
             timed(f"variant: state_output BV={bv}",
@@ -281,13 +283,15 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     from jaxcp.gate import Gate
     from jaxcp.pallas.triton.common import state as pstate
     from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
-    from jaxcp.pallas.triton.common.products import Fp32Products
+    from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision
     from jaxcp.pallas.triton.kda import grads as kda_grads, intra as kda_intra
 
     def variant(name, fn, *a):
         timed_variant("variant: " + name, fn, *a)
 
     q, k, v, G, beta = xs
+    # the intra kernels' products for bf16 inputs (bf16 and TF32)
+    fast = KernelPrecision(precise=False)
     chunk_blocks = lambda col, warps, stages: (f"{col} columns, {warps} warps, {stages} stages",
                                                ChunkBlocks(col, warps, stages))
 
@@ -298,7 +302,7 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
                 replace(shipped, sub_chunks_first=not shipped.sub_chunks_first))
 
     sums = lambda blocks=None, diagonal_blocks=None: lambda *a: kda_intra.gated_sums(
-        *a, scale, layout, precise=False, blocks=blocks, diagonal_blocks=diagonal_blocks,
+        *a, scale, layout, precision=fast, blocks=blocks, diagonal_blocks=diagonal_blocks,
         interpret=interpret)
     variant("gated sums as shipped", sums(), q, k, G, beta)
     for how, b in [chunk_blocks(*c) for c in ((16, 1, 2), (32, 1, 1), (32, 1, 3), (32, 2, 2),
@@ -312,15 +316,15 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     for how, b in [chunk_blocks(*c) for c in ((64, 4, 3), (64, 8, 1), (64, 8, 2), (64, 4, 1),
                                                (32, 4, 2), (32, 8, 1))]:
         variant(f"intra, wy_terms {how}", lambda *a, b=b: kda_intra.intra_chunk(
-            *a, scale, layout, precise=False, blocks=b, tile_dtype=terms.w.dtype,
+            *a, scale, layout, blocks=b, precision=replace(fast, tile_dtype=terms.w.dtype),
             interpret=interpret), *xs)
     # the gate bound of safe_gate (lower_bound -5), on the gates clipped to it
     variant("gated sums with gate bound -5", lambda *a: kda_intra.gated_sums(
-        *a, scale, layout, gate_bound=-5.0, precise=False, interpret=interpret),
+        *a, scale, layout, gate_bound=-5.0, precision=fast, interpret=interpret),
         q, k, bounded, beta)
     # the products the stage table picks for bf16 inputs, unless a row says otherwise
     products = Fp32Products.for_inputs(jnp.bfloat16)
-    as_shipped = dict(products=products, interpret=interpret)
+    as_shipped = dict(precision=KernelPrecision(products=products), interpret=interpret)
     names = {Fp32Products.TF32X3: "3xTF32", Fp32Products.BF16X3: "3xBF16"}
     other_products = [(f"with {name} products", p) for p, name in names.items()
                       if p is not products]
@@ -329,7 +333,8 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
     grads = lambda blocks=None, across_blocks=None, p=products: lambda *a: (
         kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:], blocks=blocks,
-                              across_blocks=across_blocks, products=p,
+                              across_blocks=across_blocks,
+                              precision=KernelPrecision(products=p),
                               interpret=interpret))
     grads_inputs = (*xs, terms, h, vn, x, dvn, do)
     for how, b in [chunk_blocks(*c) for c in ((32, 2, 2), (32, 4, 2), (64, 4, 1), (64, 4, 2),
@@ -343,16 +348,17 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     normed_kw = dict(normalize_qk=True, interpret=interpret)
     raw_xs = (*raw, *xs[3:])
     variant("intra with the norm in the kernels (raw bf16 q, k, v)", lambda *a: (
-        kda_intra.intra_chunk(*a, scale, layout, precise=False, **normed_kw)), *raw_xs)
+        kda_intra.intra_chunk(*a, scale, layout, precision=fast, **normed_kw)), *raw_xs)
     variant("intra_again with the norm in the kernels", lambda *a: (
         kda_intra.recompute_terms(*a, scale, layout, kda_intra.kept_for_terms(terms),
-                                  precise=False, **normed_kw)), *raw_xs)
+                                  precision=fast, **normed_kw)), *raw_xs)
     variant("chunk_grads with the norm in the kernels (its vjp by XLA)", lambda *a: (
         kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:],
                               **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
-    kw = dict(gate=Gate.CHANNEL, dot_dtype=jnp.float32, token_major=True,
-              tile_dtype=terms.w.dtype, **as_shipped)
+    state_precision = KernelPrecision(tile_dtype=terms.w.dtype, products=products)
+    kw = dict(gate=Gate.CHANNEL, token_major=True, precision=state_precision,
+              interpret=interpret)
 
     def state_variants(how, stage_terms, stages, **options):
         """Rows "<stage> <how>" of the named state recurrences with options over kw."""
@@ -367,11 +373,13 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
 
     all_three = ("state_output", "state_fwd", "state_bwd")
     for how, p in other_products:
-        state_variants(how, terms, ("state_output", "state_bwd"), products=p)
+        state_variants(how, terms, ("state_output", "state_bwd"),
+                       precision=replace(state_precision, products=p))
     # float32 tiles of w, kd, qg, attn (cast before the timed calls)
     full = terms._replace(**{name: getattr(terms, name).astype(jnp.float32)
                              for name in ("w", "kd", "qg", "attn")})
-    state_variants("with float32 tiles", full, all_three, tile_dtype=jnp.float32)
+    state_variants("with float32 tiles", full, all_three,
+                   precision=replace(state_precision, tile_dtype=jnp.float32))
     for bv, warps in ((64, 4), (64, 8), (32, 4), (32, 8), (16, 4), (16, 2)):
         state_variants(f"BV={bv}, {warps} warps", terms, all_three,
                        blocks=StateBlocks(block_cols=bv, num_warps=warps))

@@ -9,8 +9,9 @@ mode (CPU) computes IEEE fp32. Also the block products of [C, d] tiles (``gram``
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -35,6 +36,22 @@ class Fp32Products(enum.Enum):
     def for_inputs(cls, dtype) -> "Fp32Products":
         """TF32X3 for fp32 inputs, TF32 for bf16 ones."""
         return cls.TF32X3 if jnp.dtype(dtype) == jnp.float32 else cls.TF32
+
+
+@dataclass(frozen=True)
+class KernelPrecision:
+    """How a kernel multiplies and what it stores, one per stage set (``jaxcp.stages`` picks
+    it from the input dtype); the defaults are those of fp32 inputs.
+
+    dot_dtype: the state kernels' u, do and stored h, v_new, X, dvn (bf16 halves GDN's bytes).
+    tile_dtype: the terms' tiles as stored and read (float16: TF32's mantissa, half the bytes).
+    precise: fp32 products at `products`; else bf16 and TF32 ones, for bf16-stored results.
+    products: how precise fp32 products run on tensor cores (``Fp32Products``).
+    """
+    dot_dtype: Any = jnp.float32
+    tile_dtype: Any = jnp.float32
+    precise: bool = True
+    products: Fp32Products = Fp32Products.TF32X3
 
 
 def fp32_precision(interpret: bool, products: Fp32Products = Fp32Products.TF32X3):
@@ -78,11 +95,11 @@ class Dots(NamedTuple):
     split: Callable
 
 
-def dots(precise: bool, interpret: bool, *, rounded: bool = False,
-         products: Fp32Products = Fp32Products.TF32X3) -> Dots:
-    """precise: every fp32 x fp32 product at `products` (``Fp32Products``; 3xTF32 for fp32
-    inputs). With BF16X3 a bf16 tile meets an fp32 one as two bf16 products (``dot``'s split)
-    and another bf16 tile as one: pass bf16 tiles as loaded, not cast to fp32.
+def dots(precision: KernelPrecision, interpret: bool, *, rounded: bool = False) -> Dots:
+    """precision.precise: every fp32 x fp32 product at precision.products
+    (``Fp32Products``; 3xTF32 for fp32 inputs). With BF16X3 a bf16 tile meets an fp32 one
+    as two bf16 products (``dot``'s split) and another bf16 tile as one: pass bf16 tiles as
+    loaded, not cast to fp32.
     Otherwise (bf16 inputs): bf16 products of the inputs and single TF32 products of fp32
     tiles, the inverse's chain included: its error, ~2e-4 relative on w, is far under the
     bf16 rounding w is stored with (~2e-3; docs/precision.md); `split` takes the fp32
@@ -90,8 +107,9 @@ def dots(precise: bool, interpret: bool, *, rounded: bool = False,
     (docs/benchmarks/kernels.md). rounded (bf16 inputs
     only): fp32 operands are rounded to bf16 for `plain` products, for kernels whose results
     are gradients. Interpret mode (CPU) computes IEEE fp32."""
-    def with_precision(precision):
-        return partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+    def with_precision(level):
+        return partial(jnp.dot, preferred_element_type=jnp.float32, precision=level)
+    precise, products = precision.precise, precision.products
     if precise and products is Fp32Products.BF16X3 and not interpret:
         exact = partial(dot, interpret=False, split=True, products=products)
         return Dots(exact, exact, exact)

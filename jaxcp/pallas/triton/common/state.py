@@ -47,7 +47,7 @@ from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import ChunkRows, has_table, loop_rows, slab_spec
 from jaxcp.pallas.triton.common.launch import StateBlocks
-from jaxcp.pallas.triton.common.products import Fp32Products, dot
+from jaxcp.pallas.triton.common.products import KernelPrecision, dot
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import vary_like
 
@@ -167,7 +167,7 @@ class _Call(NamedTuple):
 
 
 def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_major: bool,
-           dot_dtype, blocks: StateBlocks | None, tile_dtype, kernel: str,
+           precision: KernelPrecision, blocks: StateBlocks | None, kernel: str,
            tokens: int | None = None) -> _Call:
     """The _Call of kernel `kernel` over `cols` state columns (token_major: o or do, and
     the bare q, k of row-factored terms, are [B, T, HV, ...]; T is the bare q's length, or
@@ -180,15 +180,16 @@ def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_
     factored = terms.k_rows is not None
     if blocks is None:
         blocks = (StateBlocks.kda(kernel, K, cols, B * HV) if gate is Gate.CHANNEL
-                  else StateBlocks.default(K, dot_dtype))
+                  else StateBlocks.default(K, precision.dot_dtype))
     BV = blocks.cols(cols)
     T = None
     if token_major:
         T = terms.qg.shape[1] if factored else tokens
     sp = _specs(NT, C, K, BV, gate, T)
     ins = Operands()
-    ins.add("w", sp.chunk_k, terms.w.astype(tile_dtype))
-    ins.add("kd", sp.token_k if factored else sp.chunk_k, terms.kd.astype(tile_dtype))
+    ins.add("w", sp.chunk_k, terms.w.astype(precision.tile_dtype))
+    ins.add("kd", sp.token_k if factored else sp.chunk_k,
+            terms.kd.astype(precision.tile_dtype))
     ins.add("decay", sp.decay, terms.decay[..., 0] if gate is Gate.SCALAR else terms.decay)
     ins.add("starts", sp.per_chunk, layout.chunk_starts.astype(jnp.int32))
     ins.add("seq", sp.per_chunk, layout.chunk_seq)
@@ -248,23 +249,20 @@ def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, pro
 
 
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate,
-                 u_cols: bool, store_h: bool, interpret: bool, dot_dtype,
+                 u_cols: bool, store_h: bool, interpret: bool, precision: KernelPrecision,
                  with_output: bool = False, with_finals: bool = False,
                  token_major: bool = False, split_state: bool = False,
                  span: jax.Array | None = None, blocks: StateBlocks | None = None,
-                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None,
                  tokens: int | None = None, out_dtype=None, name: str):
     """The forward recurrence over state columns of width h0.shape[-1] (V with u, or K for
     the transition with u = 0); with_output adds o (token_major: [B, T, HV, V]),
     with_finals the final states; split_state: the state and v_new meet bf16 tiles as two
     bf16 parts each (``products.dot``); span ([B], ``_span_loop``): loop over those chunks
-    only (only the last state is then meaningful); products: how fp32 tiles meet the fp32
-    state (``products.Fp32Products``); tile_dtype, tokens, out_dtype: as in
+    only (only the last state is then meaningful); precision, tokens, out_dtype: as in
     ``state_output``. Returns the outputs by name: h, v_new (store_h), o, finals, last."""
     cols = h0.shape[-1]
-    tile_dtype = tile_dtype or dot_dtype
-    c = _start(terms, layout, cols, gate, token_major, dot_dtype, blocks, tile_dtype, name,
-               tokens)
+    dot_dtype, tile_dtype = precision.dot_dtype, precision.tile_dtype
+    c = _start(terms, layout, cols, gate, token_major, precision, blocks, name, tokens)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
     if with_output and token_major and c.T is None:
@@ -304,41 +302,39 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                 params=c.blocks.params(interpret, tile_bytes),
                 aliases={"finals_zeros": "finals"} if with_finals else None, nt=NT,
                 gate=gate, split_state=split_state, token_major=token_major,
-                interpret=interpret, products=products)[0]
+                interpret=interpret, products=precision.products)[0]
 
 
 def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, token_major=False,
-                 interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-                 products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None,
-                 tokens: int | None = None, out_dtype=None):
+                 interpret=False, precision: KernelPrecision = KernelPrecision(),
+                 blocks: StateBlocks | None = None, tokens: int | None = None,
+                 out_dtype=None):
     """Twin of xla.output.state_output: the forward recurrence fused with the output
     o_c = qg_c S_c + attn_c v_new_c (nothing per chunk but o is written) and, with_finals,
     the state after each sequence's last chunk (zero for sequences that end elsewhere).
     Returns (o [NT, B, HV, C, V], or [B, T, HV, V] with token_major, in out_dtype (the
-    dtype of u if None); finals [N, HV, K, V] or None). tile_dtype: the dtype the kernel
-    reads w, kd, qg and attn in (dot_dtype if None; u, the states and v_new stay in
-    dot_dtype). float16 with float32
-    dot_dtype and TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at
-    half the bytes, for terms whose magnitudes fit float16 (``products.dot``). tokens: T,
+    dtype of u if None); finals [N, HV, K, V] or None). precision: the kernel reads w, kd,
+    qg and attn in its tile_dtype, u in its dot_dtype, and fp32 tiles meet the fp32 state
+    at its products (``products.dot``). A float16 tile_dtype with float32 dot_dtype and
+    TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at half the
+    bytes, for terms whose magnitudes fit float16. tokens: T,
     the length of a token-major o from plain terms (KDA's; row-factored terms carry it)."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
-                       interpret=interpret, dot_dtype=dot_dtype, with_output=True,
+                       interpret=interpret, precision=precision, with_output=True,
                        with_finals=with_finals, token_major=token_major, blocks=blocks,
-                       products=products, tile_dtype=tile_dtype, tokens=tokens,
-                       out_dtype=out_dtype, name="state_output")
+                       tokens=tokens, out_dtype=out_dtype, name="state_output")
     return out["o"], out.get("finals")
 
 
 def state_fwd(terms, layout, init, h0, *, gate: Gate, token_major=False, interpret=False,
-              dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-              products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
+              precision: KernelPrecision = KernelPrecision(),
+              blocks: StateBlocks | None = None):
     """Twin of xla.state.state_fwd: (h [NT, B, HV, K, V], v_new [NT, B, HV, C, V], last);
-    h and v_new in dot_dtype (they feed only the backward's products). tile_dtype as in
-    ``state_output``."""
+    h and v_new in precision.dot_dtype (they feed only the backward's products). precision
+    as in ``state_output``."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=True,
-                       interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                       blocks=blocks, products=products, tile_dtype=tile_dtype,
-                       name="state_fwd")
+                       interpret=interpret, precision=precision, token_major=token_major,
+                       blocks=blocks, name="state_fwd")
     return out["h"], out["v_new"], out["last"]
 
 
@@ -348,35 +344,35 @@ def _unless_unused(span: jax.Array, unused: jax.Array | None, nt: int) -> jax.Ar
 
 
 def state_last(terms, layout, init, h0, *, gate: Gate, unused=None, token_major=False,
-               interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-               products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
+               interpret=False, precision: KernelPrecision = KernelPrecision(),
+               blocks: StateBlocks | None = None):
     """Twin of xla.state.state_last: the state after the last chunk (the chunks from the last
-    sequence start on are run; none, and a zero state, where unused). tile_dtype as in
+    sequence start on are run; none, and a zero state, where unused). precision as in
     ``state_output``."""
     span = _unless_unused(_span_after_last_start(layout), unused, terms.w.shape[0])
     return _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
-                        interpret=interpret, dot_dtype=dot_dtype, token_major=token_major,
-                        span=span, blocks=blocks, products=products, tile_dtype=tile_dtype,
-                        name="state_last")["last"]
+                        interpret=interpret, precision=precision, token_major=token_major,
+                        span=span, blocks=blocks, name="state_last")["last"]
 
 
 def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=False,
-               interpret=False, dot_dtype=jnp.float32, blocks: StateBlocks | None = None,
-               products: Fp32Products = Fp32Products.TF32X3, tile_dtype=None):
+               interpret=False, precision: KernelPrecision = KernelPrecision(),
+               blocks: StateBlocks | None = None):
     """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). S_ext takes
-    `products` and tile_dtype (``state_output``); M, which chains the states of all devices
-    before, stays fp32-accurate: the tiles in dot_dtype, bf16 ones meeting it (and v_new) as
+    precision (``state_output``); M, which chains the states of all devices before, stays
+    fp32-accurate: the tiles in precision.dot_dtype, bf16 ones meeting it (and v_new) as
     two bf16 parts (``products.dot``), fp32 ones at 3xTF32.
     unused (bool scalar, the last device's summary): no chunk is run and both are zero."""
     NT, B, HV, _, K = terms.w.shape
     V = terms.u.shape[-1]
     ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32), gate=gate,
                      unused=unused, token_major=token_major, interpret=interpret,
-                     dot_dtype=dot_dtype, blocks=blocks, products=products,
-                     tile_dtype=tile_dtype)
+                     precision=precision, blocks=blocks)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
-                     token_major=token_major, interpret=interpret, dot_dtype=dot_dtype,
+                     token_major=token_major, interpret=interpret,
+                     precision=KernelPrecision(dot_dtype=precision.dot_dtype,
+                                               tile_dtype=precision.dot_dtype),
                      split_state=True,
                      span=_unless_unused(_span_of_transition(layout), unused, NT),
                      blocks=blocks, name="cp_transition")["last"]
@@ -419,19 +415,19 @@ def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products, dot_dt
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, gate: Gate,
               with_d_init: bool = False, entry_only: bool = False, unused=None,
-              token_major: bool = False, interpret: bool = False, dot_dtype=jnp.float32,
-              blocks: StateBlocks | None = None, products: Fp32Products = Fp32Products.TF32X3,
-              tile_dtype=None):
+              token_major: bool = False, interpret: bool = False,
+              precision: KernelPrecision = KernelPrecision(),
+              blocks: StateBlocks | None = None):
     """Twin of xla.state.state_bwd: (d_entry, d_init or None, X, dvn), or d_entry alone;
-    X and dvn in dot_dtype (they feed only the input cotangents' products). do is in chunk
-    layout or, with token_major, [B, T, HV, V], in any float dtype (the kernel reads it in
-    dot_dtype: a bf16 do for float32 products is read as is, and widened in registers).
-    unused (bool scalar, with entry_only: the first device's d_entry): no chunk is run and
-    d_entry is zero. tile_dtype as in ``state_output``."""
+    X and dvn in precision.dot_dtype (they feed only the input cotangents' products). do is
+    in chunk layout or, with token_major, [B, T, HV, V], in any float dtype (the kernel
+    reads it in dot_dtype: a bf16 do for float32 products is read as is, and widened in
+    registers). unused (bool scalar, with entry_only: the first device's d_entry): no chunk
+    is run and d_entry is zero. precision as in ``state_output``."""
     V = do.shape[-1]
-    tile_dtype = tile_dtype or dot_dtype
+    dot_dtype, tile_dtype = precision.dot_dtype, precision.tile_dtype
     name = "state_entry_cotangent" if entry_only else "state_bwd"
-    c = _start(terms, layout, V, gate, token_major, dot_dtype, blocks, tile_dtype, name,
+    c = _start(terms, layout, V, gate, token_major, precision, blocks, name,
                tokens=do.shape[1] if token_major else None)
     NT, B, HV, C, K, sp, ins = c.NT, c.B, c.HV, c.C, c.K, c.sp, c.ins
     factored = terms.k_rows is not None
@@ -465,7 +461,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
                name=name,
                params=c.blocks.params(interpret, tile_bytes),
                aliases={"d_init_zeros": "d_init"} if with_d_init else None, nt=NT, gate=gate,
-               token_major=token_major, interpret=interpret, products=products,
+               token_major=token_major, interpret=interpret, products=precision.products,
                dot_dtype=jnp.dtype(dot_dtype))[0]
     if entry_only:
         return out["d_entry"]

@@ -47,7 +47,8 @@ from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import (ChunkRef, add_chunk_rows, chunk_specs,
                                                    program_rows)
 from jaxcp.pallas.triton.common.launch import ChunkBlocks
-from jaxcp.pallas.triton.common.products import col_tiles, dots as make_dots, gram, sum_dots
+from jaxcp.pallas.triton.common.products import (KernelPrecision, col_tiles, dots as make_dots,
+                                                 gram, sum_dots)
 from jaxcp.pallas.triton.common.unit_rows import (normalize_vjp, row_scales, scale_gram,
                                                   unit_cols)
 from jaxcp.pallas.triton.gdn.gates import scalar_gates
@@ -161,7 +162,7 @@ def _wy_kernel(*refs, names, dots, normalize, blocks, C):
 
 def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int,
                 terms: ChunkTerms, h, v_new, x, dvn, do, *, interpret: bool = False,
-                precise: bool = True, normalize_qk: bool = False,
+                precision: KernelPrecision = KernelPrecision(), normalize_qk: bool = False,
                 blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads for GDN: (dq, dk, dv, dg, dbeta) in the dtypes and the
     token-major layout of q, k, v, g, beta ([B, T, HV, ...], chunks as in ``intra_chunk``;
@@ -169,7 +170,8 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     (``intra_chunk(..., with_inverse=True)``). normalize_qk: q, k are raw and the terms are
     those of their L2-normalised rows (``intra_chunk(normalize_qk=True)``); dq, dk are then
     the cotangents of the raw q, k (the normalisation's vjp is applied in the kernels).
-    blocks: the launch configuration (``ChunkBlocks.default`` if None)."""
+    precision: the products (``products.dots``, rounded: gradients). blocks: the launch
+    configuration (``ChunkBlocks.default`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     B, T, HV, K = k.shape
@@ -180,7 +182,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     g_shape = g.shape
     g = g.reshape(B, T, HV)
-    kw = dict(params=blocks.params(interpret), dots=make_dots(precise, interpret, rounded=True),
+    kw = dict(params=blocks.params(interpret), dots=make_dots(precision, interpret, rounded=True),
               normalize=normalize_qk, blocks=blocks, C=C)
 
     inter = Operands()

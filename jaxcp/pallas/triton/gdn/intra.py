@@ -39,8 +39,8 @@ from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import (ChunkRef, add_chunk_rows, chunk_specs,
                                                    program_rows)
 from jaxcp.pallas.triton.common.launch import ChunkBlocks
-from jaxcp.pallas.triton.common.products import (Dots, dots as make_dots, gram,
-                                                 unit_lower_inverse)
+from jaxcp.pallas.triton.common.products import (Dots, KernelPrecision, dots as make_dots,
+                                                 gram, unit_lower_inverse)
 from jaxcp.pallas.triton.common.unit_rows import on_tokens, row_scales, scale_gram, times
 from jaxcp.pallas.triton.gdn.gates import ScalarGates, scalar_gates
 from jaxcp.terms import ChunkTerms
@@ -124,18 +124,17 @@ def _token_inputs(sp, layout: ChunkLayout, tokens) -> Operands:
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int, *,
-                with_inverse: bool = False, interpret: bool = False, precise: bool = True,
-                out_dtype=jnp.float32, normalize_qk: bool = False,
+                with_inverse: bool = False, interpret: bool = False,
+                precision: KernelPrecision = KernelPrecision(), normalize_qk: bool = False,
                 blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk for GDN, in the row-factored form of ``ChunkTerms``
     (qg, kd are q, k as given). q, k, v, g, beta are token-major, [B, T, HV, ...] with g
     [B, T, HV] or [B, T, HV, 1], chunk c being chunk_size rows from layout.token_start[c]
     (from c chunk_size when the layout has no table; ``chunk_rows``); w, u,
-    attn, inv, decay and the row factors are in chunk layout [NT, B, HV, ...]. precise:
-    fp32 inputs (3xTF32 products) or bf16 inputs (bf16 and TF32 products, see
-    ``products.dots``); out_dtype is the dtype of w, u, attn and inv (decay and the row
-    factors stay float32); w and u are products of the inverse rounded to it, so that
-    ``recompute_w_u`` gives the same w and u from the stored inverse.
+    attn, inv, decay and the row factors are in chunk layout [NT, B, HV, ...]. precision:
+    the products (``products.dots``) and, as tile_dtype, the dtype of w, u, attn and inv
+    (decay and the row factors stay float32); w and u are products of the inverse rounded
+    to it, so that ``recompute_w_u`` gives the same w and u from the stored inverse.
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows).
     blocks: the launch configuration (``ChunkBlocks.default`` if None)."""
     B, T, HV, K = k.shape
@@ -147,7 +146,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
                                      ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
 
     def outs(out, struct):
-        terms = lambda *s, dtype=out_dtype: struct((NT, B, HV) + s, dtype)
+        terms = lambda *s, dtype=precision.tile_dtype: struct((NT, B, HV) + s, dtype)
         out.add("w", sp.tile(K), terms(C, K))
         out.add("u", sp.tile(V), terms(C, V))
         out.add("attn", sp.tile(C), terms(C, C))
@@ -159,7 +158,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
 
     res, args = call(_intra_kernel, (NT, B, HV), ins, outs, name="gdn_intra_chunk",
                      params=blocks.params(interpret), scale=scale,
-                     dots=make_dots(precise, interpret), normalize=normalize_qk,
+                     dots=make_dots(precision, interpret), normalize=normalize_qk,
                      blocks=blocks, C=C)
     q, k = args[ins.index("q")], args[ins.index("k")]
     return ChunkTerms(w=res["w"], u=res["u"], qg=q, kd=k, decay=res["decay"][..., None],
@@ -177,13 +176,14 @@ def kept_for_w_u(terms: ChunkTerms) -> ChunkTerms:
 
 
 def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: ChunkTerms,
-                  *, interpret: bool = False, precise: bool = True,
+                  *, interpret: bool = False, precision: KernelPrecision = KernelPrecision(),
                   normalize_qk: bool = False, blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """The terms of ``intra_chunk(q, k, v, g, beta, ..., with_inverse=True)`` from those kept
     by ``kept_for_w_u``: only w = T diag(beta exp(G)) k, u = T diag(beta) v (and the row
     factors k_rows, decay of exp(G)) are computed, from the kept inverse T, so that the
     backward neither inverts again nor recomputes attn (one program per (chunk, batch, head);
-    k, v, g, beta token-major as in ``intra_chunk``; w, u in the dtype of the inverse).
+    k, v, g, beta token-major as in ``intra_chunk``; w, u in the dtype of the inverse;
+    precision: its products, as in ``intra_chunk``).
     q is only placed in the terms (qg)."""
     B, T, HV, K = k.shape
     V = v.shape[-1]
@@ -202,7 +202,7 @@ def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: 
         out.add("decay", sp.scalar, terms(dtype=jnp.float32))
 
     res, args = call(_w_u_kernel, (NT, B, HV), ins, outs, name="gdn_recompute_w_u",
-                     params=blocks.params(interpret), dots=make_dots(precise, interpret),
+                     params=blocks.params(interpret), dots=make_dots(precision, interpret),
                      normalize=normalize_qk, blocks=blocks, C=C)
     return kept._replace(w=res["w"], u=res["u"], qg=q, kd=args[ins.index("k")],
                          decay=res["decay"][..., None], k_rows=res["k_rows"])

@@ -53,7 +53,7 @@ from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import (ChunkSpecs, add_chunk_rows, chunk_refs,
                                                    chunk_specs, program_rows)
 from jaxcp.pallas.triton.common.launch import ChunkBlocks
-from jaxcp.pallas.triton.common.products import Dots, Fp32Products, dots as make_dots
+from jaxcp.pallas.triton.common.products import Dots, KernelPrecision, dots as make_dots
 from jaxcp.pallas.triton.common.tiles import f32, iota, lower
 from jaxcp.pallas.triton.common.unit_rows import (in_place, operand_row_scales,
                                                   xla_normalize_vjp)
@@ -431,8 +431,7 @@ def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None) 
 
 def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_new, x, dvn,
                 do, *, gate_bound: float | None = None, normalize_qk: bool = False,
-                interpret: bool = False, precise: bool = True,
-                products: Fp32Products = Fp32Products.TF32X3,
+                interpret: bool = False, precision: KernelPrecision = KernelPrecision(),
                 blocks: ChunkBlocks | None = None, across_blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) (module docstring), but that
     the gate comes as its chunk cumsum G and leaves as dG: (dq, dk, dv, dG, dbeta), float32.
@@ -444,7 +443,8 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     with_inverse=True)``). gate_bound as in ``intra.intra_chunk``. normalize_qk:
     q, k are raw, the kernels read them L2-normalised (as ``intra_chunk(normalize_qk=True)``),
     and dq, dk are the cotangents of the raw q, k (the normalisation's vjp by XLA).
-    precise: every product at `products` (``products.Fp32Products``), else bf16 products.
+    precision: precise, every product at precision.products (``products.Fp32Products``),
+    else bf16 products.
     blocks: the launch configuration (``ChunkBlocks.kda_grads`` if None) of every
     kernel but ``kda_grads_gated_sums``, which runs with across_blocks
     (``ChunkBlocks.grads_across_sub_chunks`` if None)."""
@@ -454,7 +454,7 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     check_chunk(G.shape[3])
     c = _Call(q, k, v, G, beta, operand_row_scales(q, k, normalize_qk), layout,
               chunk_specs(G.shape[3], k.shape[1]),
-              make_dots(precise, interpret, rounded=True, products=products),
+              make_dots(precision, interpret, rounded=True),
               blocks or ChunkBlocks.kda_grads(), interpret)
     inter = _launch_inter(c, do, h, v_new, x, dvn, scale)
     wy = _launch_wy(c, terms, dvn, inter)

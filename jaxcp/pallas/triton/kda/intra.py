@@ -49,7 +49,8 @@ from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import (add_chunk_rows, chunk_refs, chunk_specs,
                                                    program_rows)
 from jaxcp.pallas.triton.common.launch import ChunkBlocks
-from jaxcp.pallas.triton.common.products import Dots, dots as make_dots, unit_lower_inverse
+from jaxcp.pallas.triton.common.products import (Dots, KernelPrecision, dots as make_dots,
+                                                 unit_lower_inverse)
 from jaxcp.pallas.triton.common.tiles import f32, lower
 from jaxcp.pallas.triton.common.unit_rows import add_row_scales, in_place, operand_row_scales
 from jaxcp.pallas.triton.kda.gates import (ChunkGates, SubChunkGates, check_gate_bound,
@@ -184,10 +185,10 @@ def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
 
 
 def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None = None,
-               q_rows=None, k_rows=None, interpret: bool = False, precise: bool = True,
-               blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None,
-               tile_dtype=jnp.float32):
-    """(A [NT, B, HV, C, C] float32, attn [NT, B, HV, C, C] tile_dtype): A =
+               q_rows=None, k_rows=None, interpret: bool = False,
+               precision: KernelPrecision = KernelPrecision(),
+               blocks: ChunkBlocks | None = None, diagonal_blocks: ChunkBlocks | None = None):
+    """(A [NT, B, HV, C, C] float32, attn [NT, B, HV, C, C] precision.tile_dtype): A =
     strict_lower(beta_i sum_d k_id k_jd exp(G_id - G_jd)) and attn = scale lower(sum_d q_id
     k_jd exp(G_id - G_jd)), G the chunk cumsum of the decay (module docstring): every block
     by ``kda_gated_sums`` (one program per (chunk, batch, head); launch configuration
@@ -196,7 +197,7 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
     (one program per (chunk, batch, head, sub-chunk of 16 rows); diagonal_blocks,
     ``ChunkBlocks.sub_chunk`` if None; not launched under a gate bound). q_rows, k_rows
     [B, T, HV] (both or neither): the rows of q, k are taken times them
-    (``unit_rows.UnitRows``). Shapes, layout, gate_bound and precise as in
+    (``unit_rows.UnitRows``). Shapes, layout, gate_bound and precision as in
     ``intra_chunk``."""
     check_gate_bound(gate_bound)
     B, T, HV, K = k.shape
@@ -214,13 +215,13 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
     def outs(spec):
         def add(out, struct):
             out.add("a", spec, struct((NT, B, HV, C, C), jnp.float32))
-            out.add("attn", spec, struct((NT, B, HV, C, C), tile_dtype))
+            out.add("attn", spec, struct((NT, B, HV, C, C), precision.tile_dtype))
         return add
 
     blocks = blocks or ChunkBlocks.across_sub_chunks()
     res, _ = call(_across_kernel, (NT, B, HV), ins, outs(sp.tile(C)), name="kda_gated_sums",
                   params=blocks.params(interpret), scale=scale, gate_bound=gate_bound,
-                  dots=make_dots(precise, interpret), blocks=blocks)
+                  dots=make_dots(precision, interpret), blocks=blocks)
     if gate_bound is not None:
         return res["a"], res["attn"]
     diagonal_blocks = diagonal_blocks or ChunkBlocks.sub_chunk()
@@ -243,8 +244,8 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
 
 def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
              with_inverse: bool = False, q_rows=None, k_rows=None, interpret: bool = False,
-             precise: bool = True, blocks: ChunkBlocks | None = None,
-             tile_dtype=jnp.float32) -> ChunkTerms:
+             precision: KernelPrecision = KernelPrecision(),
+             blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """The terms but attn: T = (I + a)^-1 from ``gated_sums``'s a, or the inverse inv given
     (exactly one of the two), then w, u, qg, kd, decay (module docstring); with_inverse also
     returns T (a only). attn is left None. Shapes and layout as in ``intra_chunk``; q_rows,
@@ -272,7 +273,7 @@ def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
 
     def outs(out, struct):
         terms = lambda *s: struct((NT, B, HV) + s, jnp.float32)
-        tiles = lambda *s: struct((NT, B, HV) + s, tile_dtype)
+        tiles = lambda *s: struct((NT, B, HV) + s, precision.tile_dtype)
         out.add("w", sp.tile(K), tiles(C, K))
         out.add("u", sp.tile(V), terms(C, V))
         out.add("qg", sp.tile(K), tiles(C, K))
@@ -283,32 +284,33 @@ def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
 
     res, _ = call(_terms_kernel, (NT, B, HV), ins, outs, name="kda_wy_terms",
                   params=blocks.params(interpret), scale=scale,
-                  dots=make_dots(precise, interpret), blocks=blocks)
+                  dots=make_dots(precision, interpret), blocks=blocks)
     return ChunkTerms(w=res["w"], u=res["u"], qg=res["qg"], kd=res["kd"], decay=res["decay"],
                       attn=None, inv=res.get("inv", inv))
 
 
 def intra_chunk(q, k, v, G, beta, scale: float, layout, *, with_inverse: bool = False,
                 gate_bound: float | None = None, normalize_qk: bool = False,
-                interpret: bool = False, precise: bool = True,
-                blocks: ChunkBlocks | None = None, tile_dtype=jnp.float32) -> ChunkTerms:
+                interpret: bool = False, precision: KernelPrecision = KernelPrecision(),
+                blocks: ChunkBlocks | None = None) -> ChunkTerms:
     """Twin of xla.intra.intra_chunk(..., gate=Gate.CHANNEL) (see the module docstring):
     ``gated_sums``, then ``wy_terms``. q, k [B, T, HV, K], v [B, T, HV, V], beta [B, T, HV]
     token-major, read in place at the rows of the ChunkLayout layout; G [NT, B, HV, C, K]
     the chunk cumsum of the decays g <= 0 (``gate_cumsum.chunk_gate``), C a multiple of 16.
     gate_bound: None (any g <= 0), or a bound in [-5, 0) that every gate is known to
     respect (g in [gate_bound, 0)): then every diagonal block is a product
-    (``gates.diagonal_fits``) and the pair-by-pair kernel is not launched. precise:
-    3xTF32 products (fp32 inputs), else single TF32 products of the fp32 factor tiles
-    (bf16 inputs; see ``products.dots``). normalize_qk: q, k are raw, and the terms are
-    those of their L2-normalised rows (the kernels scale the rows as they read them;
-    ``l2_row_scales`` by XLA). The terms are float32, as the jnp twin's, but w, qg, kd and attn, which are
-    tile_dtype: float16 halves the bytes of the state recurrences' tiles and keeps the
-    10-bit mantissa their TF32 products keep, for terms that fit its range (every entry of
-    qg, kd, attn is at most 1 in magnitude for L2-normalised q, k). blocks: the launch
+    (``gates.diagonal_fits``) and the pair-by-pair kernel is not launched. precision:
+    precise, 3xTF32 products (fp32 inputs), else single TF32 products of the fp32 factor
+    tiles (bf16 inputs; see ``products.dots``). normalize_qk: q, k are raw, and the terms
+    are those of their L2-normalised rows (the kernels scale the rows as they read them;
+    ``l2_row_scales`` by XLA). The terms are float32, as the jnp twin's, but w, qg, kd
+    and attn, which are precision.tile_dtype: float16 halves the bytes of the state
+    recurrences' tiles and keeps the 10-bit mantissa their TF32 products keep, for terms
+    that fit its range (every entry of qg, kd, attn is at most 1 in magnitude for
+    L2-normalised q, k). blocks: the launch
     configuration of ``wy_terms`` (``ChunkBlocks.wy_terms`` if None); ``gated_sums`` runs
     with its own."""
-    kw = dict(interpret=interpret, precise=precise, tile_dtype=tile_dtype,
+    kw = dict(interpret=interpret, precision=precision,
               **operand_row_scales(q, k, normalize_qk))
     a, attn = gated_sums(q, k, G, beta, scale, layout, gate_bound=gate_bound, **kw)
     terms = wy_terms(q, k, v, G, beta, scale, layout, a=a, with_inverse=with_inverse, blocks=blocks,
