@@ -106,11 +106,9 @@ def test_train_two_processes_is_one_process(tmp_path):
 
 def test_train_data_axis_across_processes_resumes(tmp_path):
     """--mesh data=2,seq=4: each process holds one data row. Two steps, then --resume to four
-    in two processes again: the trajectory of one process running four steps (one GDN block,
-    no evaluation: the attention blocks and the evaluation across processes are the test
-    above's)."""
-    flags = ["--mesh", "data=2,seq=4", "--ckpt-every", "2", "--layers", "gdn",
-             "--eval-every", "0"]
+    in two processes again: the trajectory of one process running four steps (one GDN block:
+    the attention blocks across processes are the test above's)."""
+    flags = ["--mesh", "data=2,seq=4", "--ckpt-every", "2", "--layers", "gdn"]
     two = ["--run-dir", str(tmp_path / "two")]
     run_together(processes(TRAIN + flags + two + ["--steps", "2"]))
     run_together(processes(TRAIN + flags + two + ["--steps", "4", "--resume"]))
