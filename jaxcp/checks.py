@@ -91,9 +91,8 @@ def axis_size_or_raise(cp_axis: str) -> int:
 
 
 def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
-                 cp_strategy, chunk_size, backend, cp_layout="contiguous") -> int:
-    """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL).
-    Returns the number of devices on cp_axis (1 without CP)."""
+                 cp_strategy, chunk_size, backend, cp_layout="contiguous") -> None:
+    """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL)."""
     for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
                           ("v", v, "[B, T, HV, V]"), ("beta", beta, "[B, T, HV]"),
                           ("g", g, gate.dims())):
@@ -168,7 +167,6 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
             raise ValueError(f"initial_state must have shape {(n_seqs, HV, K, V)} "
                              f"([N, HV, K, V], N = number of sequences), got "
                              f"{tuple(initial_state.shape)}")
-    return world
 
 
 def check_gate_activation(gate: Gate, q, v, g, *, use_gate_in_kernel, A_log, dt_bias,
