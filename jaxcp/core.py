@@ -18,7 +18,8 @@ Backward: recompute the intra-chunk terms (Pallas GDN: only w and u, from the in
           the forward kept) and the chunk states from the saved entry states (no state per
           chunk is stored), get the cotangent of each piece's exit state (CP: local
           dS_ext, all-gather with M, suffix merge; or the relay), reverse state recurrence,
-          then the cotangents of the chunk inputs (``chunk_grads``).
+          then the cotangents of the chunk inputs (``chunk_grads``), one piece after
+          the other.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
+from jax import lax
 
 from jaxcp.cp.exchange import Exchange, entry_states, exit_cotangents
 from jaxcp.stages import StageOptions, Stages, stages_for
@@ -89,12 +91,16 @@ def _backward(cfg, res, cts):
              for *x, lay, kp in zip(q, k, v, g, beta, layouts, kept)]
     d_last = exit_cotangents(cfg.exchange, st, terms, layouts, do, d_final, ms)
     grads, d_init = [], None
-    for i, (t, lay) in enumerate(zip(terms, layouts)):
-        h, v_new, _ = st.state_fwd(t, lay, init, s_in[i])
-        _, d_init_i, x, dvn = st.state_bwd(t, lay, do[i], d_final, d_last[i],
+    for i, lay in enumerate(layouts):
+        # one piece at a time: its chunk states are recomputed only once the previous
+        # piece's gradients exist, so that one piece's per-chunk tensors are alive at once
+        t, d_o, d_l, s, _ = lax.optimization_barrier(
+            (terms[i], do[i], d_last[i], s_in[i], grads[-1] if grads else ()))
+        h, v_new, _ = st.state_fwd(t, lay, init, s)
+        _, d_init_i, x, dvn = st.state_bwd(t, lay, d_o, d_final, d_l,
                                            with_d_init=init is not None)
         dx = st.chunk_grads(q[i], k[i], v[i], g[i], beta[i], cfg.scale, lay, t, h, v_new, x,
-                            dvn, do[i])
+                            dvn, d_o)
         grads.append(tuple(d.astype(p.dtype) for d, p in zip(dx, (q[i], k[i], v[i], g[i],
                                                                   beta[i]))))
         if init is not None:

@@ -5,9 +5,12 @@ but XLA is then free to schedule every recomputation as early as it likes: under
 parallelism the GPU's latency-hiding scheduler moves the recomputed forwards of all blocks
 ahead of the backward chain (to overlap them with its collectives), so every block's
 activations are alive at once and remat saves nothing. ``remat_call`` ties each recomputation to the
-cotangent arriving from the layers after it with an ``optimization_barrier``: the backward of
-block i starts its forward again only when block i + 1's backward is done, so one block's
-activations are alive at a time whatever the scheduler does.
+cotangent arriving from the layers after it with an ``optimization_barrier``, and releases
+the cotangent of its input only with its parameters' cotangents: the backward of block i
+starts its forward again only when block i + 1's backward is done, weight gradients
+included (otherwise the scheduler defers every block's weight gradients to the end of the
+step, and with them the activations they read), so one block's activations are alive at a
+time whatever the scheduler does.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def _apply_fwd(graph, state, x, cu_seqlens):
 def _apply_bwd(graph, residuals, ct):
     state, x, cu_seqlens, ct = lax.optimization_barrier((*residuals, ct))
     _, vjp = jax.vjp(lambda s, y: nnx.merge(graph, s)(y, cu_seqlens), state, x)
-    d_state, dx = vjp(ct)
+    d_state, dx = lax.optimization_barrier(vjp(ct))
     return d_state, dx, None
 
 
