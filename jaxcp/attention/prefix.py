@@ -59,6 +59,9 @@ def _prefix_causal_bwd(pieces, scale, res, do):
     dq = dq.astype(jnp.float32)
     d_prefixes = []
     for k_all, v_all, length in prefixes:
+        # one flash backward after the other: each waits for the dq of the one before, so
+        # that their workspaces (a float32 dq accumulator each) are never alive together
+        dq, k_all, v_all = lax.optimization_barrier((dq, k_all, v_all))
         dq_b, dk_all, dv_all = pieces.backward(q, k_all, v_all, jnp.maximum(length, 1), scale,
                                                o, lse, do)
         present = length > 0
