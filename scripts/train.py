@@ -82,6 +82,9 @@ def parse_args(argv=None):
                     help="how the sequence is split over the seq axis: contiguous, or zigzag "
                          "(2 x seq pieces, device r holds pieces r and 2 seq - 1 - r: causal "
                          "attention balanced)")
+    ap.add_argument("--attn-kv", default="allgather", choices=["allgather", "ring"],
+                    help="how attention passes keys and values over the seq axis: all at once, "
+                         "or one device's block at a time around a ring (less memory)")
     ap.add_argument("--mlp-block", type=int, default=32768,
                     help="tokens per MLP block: the MLPs run block by block, each recomputed in "
                          "the backward (0: all tokens at once)")
@@ -261,7 +264,7 @@ def _train(args, ap, argv, env, cluster) -> int:
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
                    attn_block_size=args.attn_block, remat=args.remat,
                    mlp_block_tokens=args.mlp_block or None, cp_layout=args.layout,
-                   rngs=nnx.Rngs(args.seed))
+                   cp_kv=args.attn_kv, rngs=nnx.Rngs(args.seed))
     except ValueError as e:
         ap.error(str(e))
     flops = token_flops(model, args.seq_len)

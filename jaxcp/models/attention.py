@@ -1,4 +1,4 @@
-"""Causal softmax self-attention with RoPE and GQA, context-parallel by K/V all-gather."""
+"""Causal softmax self-attention with RoPE and GQA, context-parallel by K/V all-gather or ring."""
 from __future__ import annotations
 
 import jax
@@ -8,11 +8,14 @@ from flax import nnx
 from jaxcp.attention import select
 from jaxcp.attention.blockwise import blockwise_attention
 from jaxcp.attention.prefix import gathered_causal_attention
+from jaxcp.attention.ring import ring_causal_attention
 from jaxcp.attention.rope import rope
 from jaxcp.cp.split import axis_positions, check_layout, gather_in_order
 from jaxcp.layout import sequence_of
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.inputs import check_hidden_states
+
+CP_KV = ("allgather", "ring")
 
 
 class CausalSelfAttention(nnx.Module):
@@ -25,15 +28,20 @@ class CausalSelfAttention(nnx.Module):
     With cp_axis (inside shard_map, x is this device's tokens of the sequence in cp_layout,
     ``cp.split``; outside one, the layer enters shard_map over the current mesh) K and V are
     all-gathered over the axis and the mask uses global positions, so each device attends from its queries to every earlier key of
-    the same sequence: for one unpacked sequence on a GPU as two cuDNN pieces merged by their
+    the same sequence: for one unpacked sequence on a GPU as cuDNN pieces merged by their
     log-sum-exp (``jaxcp.attention.prefix``), else blockwise. cu_seqlens: global offsets (B == 1).
+    cp_kv: how that one unpacked sequence's keys and values reach the other devices:
+    "allgather" (all at once) or "ring" (one device's block at a time, memory O(T_local):
+    ``jaxcp.attention.ring``); packed sequences always take the all-gather.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float = 10000.0,
                  cp_axis: str | None = None, block_size: int = 1024,
-                 cp_layout: str = "contiguous", *, rngs: nnx.Rngs):
+                 cp_layout: str = "contiguous", cp_kv: str = "allgather", *, rngs: nnx.Rngs):
         check_layout(cp_layout)
+        if cp_kv not in CP_KV:
+            raise ValueError(f"cp_kv must be one of {CP_KV}, got {cp_kv!r}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         if num_heads % self.num_kv_heads:
@@ -54,6 +62,7 @@ class CausalSelfAttention(nnx.Module):
         self.cp_axis = cp_axis
         self.cp_layout = cp_layout
         self.block_size = block_size
+        self.cp_kv = cp_kv
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
         check_hidden_states(x, self.hidden_size, "CausalSelfAttention")
@@ -74,8 +83,8 @@ class CausalSelfAttention(nnx.Module):
         if fused is not None and self.cp_axis is None:
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
         elif pieces is not None:
-            o = gathered_causal_attention(q, k, v, self.cp_axis, pieces,
-                                          cp_layout=self.cp_layout)
+            attend = ring_causal_attention if self.cp_kv == "ring" else gathered_causal_attention
+            o = attend(q, k, v, self.cp_axis, pieces, cp_layout=self.cp_layout)
         else:
             k_pos, k_seq = pos, seq
             if self.cp_axis is not None:

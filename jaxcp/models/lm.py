@@ -56,8 +56,8 @@ class Block(nnx.Module):
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int,
                  intermediate_size: int, cp_axis: str | None, backend: str | None,
                  attn_block_size: int, remat_mixer: bool = False,
-                 mlp_block_tokens: int | None = None, cp_layout: str = "contiguous", *,
-                 rngs: nnx.Rngs):
+                 mlp_block_tokens: int | None = None, cp_layout: str = "contiguous",
+                 cp_kv: str = "allgather", *, rngs: nnx.Rngs):
         self.remat_mixer = remat_mixer
         self.mixer_norm = RMSNorm(hidden_size)
         if kind == "gdn":
@@ -69,7 +69,7 @@ class Block(nnx.Module):
         else:
             self.mixer = CausalSelfAttention(hidden_size, num_heads, head_dim=head_dim,
                                              cp_axis=cp_axis, block_size=attn_block_size,
-                                             cp_layout=cp_layout, rngs=rngs)
+                                             cp_layout=cp_layout, cp_kv=cp_kv, rngs=rngs)
         self.mlp_norm = RMSNorm(hidden_size)
         self.mlp = SwiGLU(hidden_size, intermediate_size, mlp_block_tokens, rngs=rngs)
 
@@ -90,14 +90,15 @@ class LM(nnx.Module):
     input; the MLPs keep theirs). mlp_block_tokens: the MLPs work on blocks of this many
     tokens one at a time (``SwiGLU``); None: all tokens at once. cp_layout: how the sequence
     is split over cp_axis (``jaxcp.cp.split``): tokens come in that layout's order, which the
-    caller makes once per batch (``jaxcp.to_layout``)."""
+    caller makes once per batch (``jaxcp.to_layout``). cp_kv: how the attention layers pass
+    keys and values over cp_axis, "allgather" or "ring" (``CausalSelfAttention``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
                  head_dim: int, intermediate_size: int | None = None,
                  cp_axis: str | None = None, backend: str | None = None,
                  attn_block_size: int = 1024, remat: str = "none",
-                 mlp_block_tokens: int | None = None, cp_layout: str = "contiguous", *,
-                 rngs: nnx.Rngs):
+                 mlp_block_tokens: int | None = None, cp_layout: str = "contiguous",
+                 cp_kv: str = "allgather", *, rngs: nnx.Rngs):
         if remat not in REMAT:
             raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
         self.remat = remat
@@ -109,7 +110,7 @@ class LM(nnx.Module):
         self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
                                       intermediate_size or 4 * hidden_size, cp_axis, backend,
                                       attn_block_size, remat == "mixer", mlp_block_tokens,
-                                      cp_layout, rngs=rngs)
+                                      cp_layout, cp_kv, rngs=rngs)
                                 for kind in kinds])
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
