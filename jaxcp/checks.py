@@ -61,7 +61,7 @@ def _check_traced_cu_seqlens(cu_seqlens, total: int) -> None:
                    cu=cu)
 
 
-def _check_array(name: str, x, dims: str) -> None:
+def check_array(name: str, x, dims: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
     if x.ndim != dims.count(",") + 1:
@@ -96,7 +96,7 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
     for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
                           ("v", v, "[B, T, HV, V]"), ("beta", beta, "[B, T, HV]"),
                           ("g", g, gate.dims())):
-        _check_array(name, x, dims)
+        check_array(name, x, dims)
     B, T, H, K = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
@@ -187,9 +187,9 @@ def check_gate_activation(gate: Gate, q, v, g, *, use_gate_in_kernel, A_log, dt_
                 raise ValueError(f"{name} is read only with use_gate_in_kernel=True (g is the "
                                  f"decay itself otherwise)")
         return
-    _check_array("q", q, "[B, T, H, K]")
-    _check_array("v", v, "[B, T, HV, V]")
-    _check_array("g", g, gate.dims())
+    check_array("q", q, "[B, T, H, K]")
+    check_array("v", v, "[B, T, HV, V]")
+    check_array("g", g, gate.dims())
     HV, K = v.shape[2], q.shape[3]
     g_shape = gate.shape(*v.shape[:3], K)
     if tuple(g.shape) != g_shape:

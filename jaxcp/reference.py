@@ -46,8 +46,9 @@ def _recurrence(q, k, v, g, beta, starts, seq, ends, init, num_seqs):
     return o, finals
 
 
-def _reference(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-               use_qk_l2norm_in_kernel):
+def token_recurrence(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+                     use_qk_l2norm_in_kernel):
+    """Either gate (g [B, T, HV] or [B, T, HV, K]): the public references' arguments."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -93,7 +94,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, scale: float | None = None,
                                use_qk_l2norm_in_kernel: bool = False):
     """Token recurrence of Gated DeltaNet (scalar gate g [B, T, HV]). Returns (o [B, T, HV, V]
     float32, final_state [N, HV, K, V] float32 or None)."""
-    return _reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    return token_recurrence(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
@@ -103,6 +104,6 @@ def kda_reference(q, k, v, g, beta, *, scale: float | None = None,
                   cu_seqlens: jax.Array | None = None, use_qk_l2norm_in_kernel: bool = False):
     """Token recurrence of Kimi Delta Attention (per-channel gate g [B, T, HV, K]). Returns
     (o [B, T, HV, V] float32, final_state [N, HV, K, V] float32 or None)."""
-    return _reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    return token_recurrence(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
