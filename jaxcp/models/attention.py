@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jaxcp.attention import select
 from jaxcp.attention.blockwise import blockwise_attention
@@ -12,6 +13,7 @@ from jaxcp.attention.ring import ring_causal_attention
 from jaxcp.attention.rope import rope
 from jaxcp.cp.split import axis_positions, check_layout, gather_in_order
 from jaxcp.layout import sequence_of
+from jaxcp.models.cache import KVCache
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.inputs import check_hidden_states
 
@@ -64,9 +66,43 @@ class CausalSelfAttention(nnx.Module):
         self.block_size = block_size
         self.cp_kv = cp_kv
 
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """The empty cache of `batch_size` sequences of up to `max_len` tokens."""
+        shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.int32(0))
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None, *,
+                 cache: KVCache | None = None):
+        """x [B, T, hidden] -> [B, T, hidden]; with a cache (``init_cache``) x continues the
+        sequences it holds, on one device, and the call returns (that, the new cache). The
+        cache must have room: tokens past its max_len are not kept."""
         check_hidden_states(x, self.hidden_size, "CausalSelfAttention")
-        return call_with_cp(self, self.cp_axis, x, cu_seqlens, CausalSelfAttention._forward)
+        if cache is None:
+            return call_with_cp(self, self.cp_axis, x, cu_seqlens, CausalSelfAttention._forward)
+        if cu_seqlens is not None:
+            raise ValueError("CausalSelfAttention: a call with a cache continues one sequence "
+                             "per batch row: cu_seqlens must be None")
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"CausalSelfAttention: cache must be a KVCache (init_cache), got "
+                            f"{type(cache).__name__}")
+        return self._forward_cached(x, cache)
+
+    def _forward_cached(self, x, cache):
+        B, T, _ = x.shape
+        pos = cache.length + jnp.arange(T, dtype=jnp.int32)
+        heads = lambda y, n: y.reshape(B, T, n, self.head_dim)
+        q = rope(heads(self.q_proj(x), self.num_heads), pos, self.rope_theta)
+        k = rope(heads(self.k_proj(x), self.num_kv_heads), pos, self.rope_theta)
+        v = heads(self.v_proj(x), self.num_kv_heads)
+        at = (0, cache.length, 0, 0)
+        k_all = lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
+        v_all = lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)
+        # keys past the new tokens sit at later positions: the causal mask hides them
+        k_pos = jnp.arange(k_all.shape[1], dtype=jnp.int32)
+        o = blockwise_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), pos,
+                                jnp.zeros_like(pos), k_pos, jnp.zeros_like(k_pos),
+                                block_q=self.block_size, block_k=self.block_size)
+        return self.o_proj(o.reshape(B, T, -1)), KVCache(k_all, v_all, cache.length + T)
 
     def _forward(self, x, cu_seqlens):
         B, T, _ = x.shape

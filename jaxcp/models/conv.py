@@ -54,6 +54,20 @@ class ShortConvolution(nnx.Module):
                              for p, halo in zip(local, halos)], axis=1)
         return jax.nn.silu(y) if self.activation == "silu" else y
 
+    def extend(self, x: jax.Array, window: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Decoding: x [B, T, hidden] continues a sequence whose last conv_size - 1 inputs are
+        window [B, conv_size - 1, hidden]. Returns the outputs and the window after x."""
+        check_hidden_states(x, self.hidden_size, "ShortConvolution")
+        W = self.conv_size
+        if window.shape != (x.shape[0], W - 1, self.hidden_size):
+            raise ValueError(f"ShortConvolution: window must be [B, conv_size - 1 = {W - 1}, "
+                             f"{self.hidden_size}], got {tuple(window.shape)}")
+        window = window.astype(x.dtype)
+        # every tap lands in the window or in x: the piece starts W - 1 tokens into the stream
+        y = self._piece(x, window, W - 1, self.weight[...].astype(x.dtype), None)
+        y = jax.nn.silu(y) if self.activation == "silu" else y
+        return y, jnp.concatenate([window, x], axis=1)[:, x.shape[1]:]
+
     def _piece(self, x, halo, start, weight, cu_seqlens):
         """The convolution of one piece x [B, L, hidden] at global tokens [start, start + L),
         halo [B, W - 1, hidden] the tokens before it (None: zeros). The piece is convolved

@@ -13,7 +13,10 @@ KDA:  g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)           [B, T, HV, K]
 With cp_axis, inside a jax.shard_map with that axis manual x is this device's tokens of the
 sequence in cp_layout ("contiguous" or "zigzag", ``jaxcp.cp.split``; the short convolutions
 fetch their halo, the delta rule merges state maps across devices); outside one, under jax.set_mesh, the layer enters shard_map itself (models.enter).
-cu_seqlens (global offsets, B == 1) packs sequences.
+cu_seqlens (global offsets, B == 1) packs sequences. With a cache (``models.cache``,
+``init_cache``) a call continues the sequences the cache holds and returns the new cache:
+a prompt runs through the chunk op, a few tokens through the recurrent op (decoding, one
+device, no packing).
 """
 from __future__ import annotations
 
@@ -24,11 +27,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxcp.cp.split import check_layout
+from jaxcp.models.cache import DeltaRuleCache
 from jaxcp.models.conv import ShortConvolution
 from jaxcp.models.inputs import check_hidden_states
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.norm import RMSNorm, RMSNormGated
 from jaxcp.ops import chunk_gated_delta_rule, chunk_kda
+from jaxcp.recurrent import recurrent_gated_delta_rule, recurrent_kda
+
+# calls with a cache and fewer tokens than this take the recurrent op (the chunk op beyond)
+RECURRENT_MAX_TOKENS = 64
 
 
 def _dt_bias(key: jax.Array, size: int, dt_min: float = 1e-3, dt_max: float = 0.1,
@@ -77,10 +85,37 @@ class _DeltaRuleLayer(nnx.Module):
         self.cp_layout = cp_layout
         self.backend = backend
 
-    def _qkv_beta(self, x, cu_seqlens):
+    def init_cache(self, batch_size: int, dtype=jnp.float32) -> DeltaRuleCache:
+        """The empty cache of `batch_size` sequences (activations in `dtype`)."""
+        convs = ((self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ())
+        return DeltaRuleCache(
+            tuple(jnp.zeros((batch_size, c.conv_size - 1, c.hidden_size), dtype) for c in convs),
+            jnp.zeros((batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                      jnp.float32))
+
+    def _call(self, x, cu_seqlens, cache, forward, name):
+        check_hidden_states(x, self.hidden_size, name)
+        if cache is None:
+            return call_with_cp(self, self.cp_axis, x, cu_seqlens, forward)
+        if cu_seqlens is not None:
+            raise ValueError(f"{name}: a call with a cache continues one sequence per batch "
+                             f"row: cu_seqlens must be None")
+        if not isinstance(cache, DeltaRuleCache):
+            raise TypeError(f"{name}: cache must be a DeltaRuleCache (init_cache), got "
+                            f"{type(cache).__name__}")
+        return forward(self, x, None, cache)
+
+    def _qkv_beta(self, x, cu_seqlens, windows=None):
+        """q, k, v, beta and, with the convolutions' windows (decoding), the new windows."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
+        new_windows = ()
+        if self.use_short_conv and windows is not None:
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            (q, wq), (k, wk), (v, wv) = (c.extend(y, w) for c, y, w in zip(convs, (q, k, v),
+                                                                          windows))
+            new_windows = (wq, wk, wv)
+        elif self.use_short_conv:
             q = self.q_conv1d(q, cu_seqlens)
             k = self.k_conv1d(k, cu_seqlens)
             v = self.v_conv1d(v, cu_seqlens)
@@ -91,18 +126,33 @@ class _DeltaRuleLayer(nnx.Module):
             beta = beta * 2.0
         return (q.reshape(B, T, self.num_heads, self.head_k_dim),
                 k.reshape(B, T, self.num_heads, self.head_k_dim),
-                v.reshape(B, T, self.num_v_heads, self.head_v_dim), beta.astype(x.dtype))
+                v.reshape(B, T, self.num_v_heads, self.head_v_dim), beta.astype(x.dtype),
+                new_windows)
 
-    def _finish(self, op, x, q, k, v, g, beta, gate, cu_seqlens, **gate_kw):
+    def _finish(self, ops, x, q, k, v, g, beta, gate, cu_seqlens, cache, windows,
+                chunk_kw, gate_kw):
+        """The delta rule (ops: the chunk and the recurrent op; chunk_kw: what only the chunk
+        op takes), the output norm and projection; with a cache also the new cache."""
         B, T, _ = x.shape
-        o, _ = op(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-                  cp_axis=self.cp_axis, cp_layout=self.cp_layout, backend=self.backend,
-                  **gate_kw)
+        chunk, recurrent = ops
+        args = (q, k, v, g, beta)
+        if cache is None:
+            o, _ = chunk(*args, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                         cp_axis=self.cp_axis, cp_layout=self.cp_layout, backend=self.backend,
+                         **chunk_kw, **gate_kw)
+        elif T < RECURRENT_MAX_TOKENS:
+            o, state = recurrent(*args, initial_state=cache.state,
+                                 use_qk_l2norm_in_kernel=True, **gate_kw)
+        else:
+            o, state = chunk(*args, initial_state=cache.state, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, backend=self.backend, **chunk_kw,
+                             **gate_kw)
         if gate is None:
             o = self.o_norm(o)
         else:
             o = self.o_norm(o, gate.reshape(B, T, self.num_v_heads, self.head_v_dim))
-        return self.o_proj(o.reshape(B, T, -1).astype(x.dtype))
+        y = self.o_proj(o.reshape(B, T, -1).astype(x.dtype))
+        return y if cache is None else (y, DeltaRuleCache(windows, state))
 
 
 class GatedDeltaNet(_DeltaRuleLayer):
@@ -122,17 +172,20 @@ class GatedDeltaNet(_DeltaRuleLayer):
         self.dt_bias = nnx.Param(_dt_bias(rngs.params(), self.num_v_heads))
         self.g_proj = _linear(hidden_size, self.num_v_heads * self.head_v_dim, rngs) if use_gate else None
 
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
-        check_hidden_states(x, self.hidden_size, "GatedDeltaNet")
-        return call_with_cp(self, self.cp_axis, x, cu_seqlens, GatedDeltaNet._forward)
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None, *,
+                 cache: DeltaRuleCache | None = None):
+        """x [B, T, hidden] -> [B, T, hidden]; with a cache, (that, the new cache)."""
+        return self._call(x, cu_seqlens, cache, GatedDeltaNet._forward, "GatedDeltaNet")
 
-    def _forward(self, x, cu_seqlens):
-        q, k, v, beta = self._qkv_beta(x, cu_seqlens)
+    def _forward(self, x, cu_seqlens, cache=None):
+        q, k, v, beta, windows = self._qkv_beta(x, cu_seqlens,
+                                                None if cache is None else cache.conv)
         gate = None if self.g_proj is None else self.g_proj(x)
         # the decay is computed inside the op from a_proj(x), A_log and dt_bias
-        return self._finish(chunk_gated_delta_rule, x, q, k, v, self.a_proj(x), beta, gate,
-                            cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log[...],
-                            dt_bias=self.dt_bias[...])
+        return self._finish((chunk_gated_delta_rule, recurrent_gated_delta_rule), x, q, k, v,
+                            self.a_proj(x), beta, gate, cu_seqlens, cache, windows, {},
+                            dict(use_gate_in_kernel=True, A_log=self.A_log[...],
+                                 dt_bias=self.dt_bias[...]))
 
 
 class KimiDeltaAttention(_DeltaRuleLayer):
@@ -160,17 +213,21 @@ class KimiDeltaAttention(_DeltaRuleLayer):
         self.safe_gate = safe_gate
         self.lower_bound = lower_bound
 
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
-        check_hidden_states(x, self.hidden_size, "KimiDeltaAttention")
-        return call_with_cp(self, self.cp_axis, x, cu_seqlens, KimiDeltaAttention._forward)
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None, *,
+                 cache: DeltaRuleCache | None = None):
+        """x [B, T, hidden] -> [B, T, hidden]; with a cache, (that, the new cache)."""
+        return self._call(x, cu_seqlens, cache, KimiDeltaAttention._forward,
+                          "KimiDeltaAttention")
 
-    def _forward(self, x, cu_seqlens):
+    def _forward(self, x, cu_seqlens, cache=None):
         B, T, _ = x.shape
-        q, k, v, beta = self._qkv_beta(x, cu_seqlens)
+        q, k, v, beta, windows = self._qkv_beta(x, cu_seqlens,
+                                                None if cache is None else cache.conv)
         f = self.f_proj2(self.f_proj1(x)).reshape(B, T, self.num_v_heads, self.head_k_dim)
         gate = self.g_proj2(self.g_proj1(x))
         # the decay is computed inside the op from f, A_log and dt_bias
-        return self._finish(chunk_kda, x, q, k, v, f, beta, gate, cu_seqlens,
-                            use_gate_in_kernel=True, A_log=self.A_log[...],
-                            dt_bias=self.dt_bias[...], safe_gate=self.safe_gate,
-                            lower_bound=self.lower_bound if self.safe_gate else None)
+        return self._finish((chunk_kda, recurrent_kda), x, q, k, v, f, beta, gate, cu_seqlens,
+                            cache, windows, dict(safe_gate=self.safe_gate),
+                            dict(use_gate_in_kernel=True, A_log=self.A_log[...],
+                                 dt_bias=self.dt_bias[...],
+                                 lower_bound=self.lower_bound if self.safe_gate else None))

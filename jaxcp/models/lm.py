@@ -8,6 +8,7 @@ from flax import nnx
 from jax import lax
 
 from jaxcp.models.attention import CausalSelfAttention
+from jaxcp.models.generation import generate
 from jaxcp.models.inputs import check_tokens
 from jaxcp.models.layers import GatedDeltaNet, KimiDeltaAttention
 from jaxcp.models.norm import RMSNorm
@@ -73,10 +74,22 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(hidden_size)
         self.mlp = SwiGLU(hidden_size, intermediate_size, mlp_block_tokens, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None) -> jax.Array:
-        mixer = remat_call if self.remat_mixer else _call
-        x = x + mixer(self.mixer, self.mixer_norm(x), cu_seqlens)
-        return x + self.mlp(self.mlp_norm(x))
+    def init_cache(self, batch_size: int, max_len: int, dtype):
+        """The mixer's empty cache (``models.cache``)."""
+        if isinstance(self.mixer, CausalSelfAttention):
+            return self.mixer.init_cache(batch_size, max_len, dtype)
+        return self.mixer.init_cache(batch_size, dtype)
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None, cache=None):
+        """x -> the block's output; with the mixer's cache, (that, the new cache)."""
+        if cache is None:
+            mixer = remat_call if self.remat_mixer else _call
+            x = x + mixer(self.mixer, self.mixer_norm(x), cu_seqlens)
+        else:
+            h, cache = self.mixer(self.mixer_norm(x), cache=cache)
+            x = x + h
+        y = x + self.mlp(self.mlp_norm(x))
+        return y if cache is None else (y, cache)
 
 
 class LM(nnx.Module):
@@ -115,17 +128,48 @@ class LM(nnx.Module):
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
-        return self.head(self.features(tokens, cu_seqlens)).astype(jnp.float32)
+    def __call__(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None, *,
+                 cache: tuple | None = None):
+        """Logits [B, T, vocab] float32; with a cache (``init_cache``) the tokens continue the
+        sequences it holds, on one device, and the call returns (logits, the new cache)."""
+        if cache is None:
+            return self.head(self.features(tokens, cu_seqlens)).astype(jnp.float32)
+        x, cache = self.features(tokens, cu_seqlens, cache=cache)
+        return self.head(x).astype(jnp.float32), cache
 
-    def features(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
+    def init_cache(self, batch_size: int, max_len: int) -> tuple:
+        """The empty cache of every block, for `batch_size` sequences of up to `max_len`
+        tokens, activations in the parameters' dtype."""
+        dtype = self.embed.embedding[...].dtype
+        return tuple(block.init_cache(batch_size, max_len, dtype) for block in self.blocks)
+
+    def features(self, tokens: jax.Array, cu_seqlens: jax.Array | None = None, *,
+                 cache: tuple | None = None):
         """tokens [B, T] -> the final norm's output [B, T, hidden], which the head maps to
-        logits (a loss over a large vocabulary takes it in blocks: ``jaxcp.train.loss``)."""
+        logits (a loss over a large vocabulary takes it in blocks: ``jaxcp.train.loss``);
+        with a cache, (that, the new cache)."""
         check_tokens(tokens)
         # nnx.Embed returns float32 whatever its table's dtype: compute in the table's dtype
         # (bf16 when the train step casts the parameters for bf16 compute)
         x = self.embed(tokens).astype(self.embed.embedding[...].dtype)
+        if cache is not None:
+            if len(cache) != len(self.blocks):
+                raise ValueError(f"LM: cache must hold one entry per block ({len(self.blocks)}),"
+                                 f" got {len(cache)}: use init_cache")
+            new = []
+            for block, c in zip(self.blocks, cache):
+                x, c = block(x, cu_seqlens, c)
+                new.append(c)
+            return self.norm(x), tuple(new)
         call = remat_call if self.remat == "block" else _call
         for block in self.blocks:
             x = call(block, x, cu_seqlens)
         return self.norm(x)
+
+    def generate(self, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
+                 rng: jax.Array | None = None) -> jax.Array:
+        """prompt [B, T] int -> the next max_new_tokens tokens [B, max_new_tokens] int32: the
+        prompt through the chunk ops (prefill), then one token at a time from the caches,
+        greedy (temperature 0) or sampled from softmax(logits / temperature) with rng.
+        One jitted program per shape (``generation.generate``)."""
+        return generate(self, prompt, max_new_tokens, temperature=temperature, rng=rng)

@@ -1,0 +1,105 @@
+"""Decoding with caches: a prefill and then a few tokens per call equal one forward over the
+whole sequence, for each layer and for the LM; generation is the greedy continuation."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxcp.models import LM, CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention
+from jaxcp.models.cache import DeltaRuleCache, KVCache
+from jaxcp.models.layers import RECURRENT_MAX_TOKENS
+
+HIDDEN, B = 32, 2
+LAYERS = {
+    "gdn": lambda: GatedDeltaNet(HIDDEN, 2, 16, rngs=nnx.Rngs(0)),
+    "kda": lambda: KimiDeltaAttention(HIDDEN, 2, 16, rngs=nnx.Rngs(0)),
+    "attn": lambda: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, block_size=8,
+                                        rngs=nnx.Rngs(0)),
+}
+
+
+def _init_cache(layer, max_len):
+    if isinstance(layer, CausalSelfAttention):
+        return layer.init_cache(B, max_len)
+    return layer.init_cache(B)
+
+
+def _in_calls(call, x, cache, sizes):
+    """Run x through call in calls of the given token counts, carrying the cache."""
+    outs, t = [], 0
+    for n in sizes:
+        y, cache = call(x[:, t:t + n], cache)
+        outs.append(y)
+        t += n
+    return jnp.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_layer_prefill_then_decode_equals_one_forward(kind):
+    """A prompt long enough for the chunk op, then single tokens and a pair (the recurrent
+    op), equals the layer over the whole sequence."""
+    layer = LAYERS[kind]()
+    sizes = [RECURRENT_MAX_TOKENS, 1, 2, 1]
+    T = sum(sizes)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, HIDDEN)), jnp.float32)
+    want = layer(x)
+    got, cache = jax.jit(lambda x, c: _in_calls(lambda a, c: layer(a, cache=c), x, c, sizes))(
+        x, _init_cache(layer, T))
+    chex.assert_shape(got, (B, T, HIDDEN))
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+    if kind == "attn":
+        assert isinstance(cache, KVCache) and int(cache.length) == T
+    else:
+        assert isinstance(cache, DeltaRuleCache) and len(cache.conv) == 3
+
+
+def test_layer_cache_errors():
+    layer = LAYERS["gdn"]()
+    x = jnp.ones((B, 3, HIDDEN))
+    with pytest.raises(ValueError, match="cu_seqlens must be None"):
+        layer(x, jnp.asarray([0, 3], jnp.int32), cache=layer.init_cache(B))
+    with pytest.raises(TypeError, match="DeltaRuleCache"):
+        layer(x, cache=(1, 2))
+
+
+def _lm():
+    return LM(64, HIDDEN, "gdn,attn,kda", 2, 16, rngs=nnx.Rngs(1))
+
+
+def test_lm_prefill_then_decode_equals_one_forward():
+    model = _lm()
+    T = 9
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (B, T)), jnp.int32)
+    want = jax.jit(model)(tokens)
+    got, _ = jax.jit(lambda t, c: _in_calls(lambda a, c: model(a, cache=c), t, c,
+                                            [5, 1, 1, 2]))(tokens, model.init_cache(B, T))
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_generate_is_the_greedy_continuation():
+    """Greedy generation gives, token by token, the argmax of the full forward over the
+    prompt and the tokens so far."""
+    model = _lm()
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, 64, (B, 5)), jnp.int32)
+    got = model.generate(prompt, 3)
+    chex.assert_shape(got, (B, 3))
+    seq = prompt
+    for _ in range(3):
+        nxt = jnp.argmax(jax.jit(model)(seq)[:, -1], axis=-1).astype(jnp.int32)
+        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+    chex.assert_trees_all_equal(got, seq[:, 5:])
+
+
+def test_generate_samples_with_a_key():
+    model = _lm()
+    prompt = jnp.zeros((B, 3), jnp.int32)
+    a = model.generate(prompt, 3, temperature=1.0, rng=jax.random.key(7))
+    b = model.generate(prompt, 3, temperature=1.0, rng=jax.random.key(7))
+    chex.assert_trees_all_equal(a, b)
+    assert bool(jnp.all((a >= 0) & (a < 64)))
+    with pytest.raises(ValueError, match="pass rng"):
+        model.generate(prompt, 3, temperature=1.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(prompt, 0)
