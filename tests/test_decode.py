@@ -7,16 +7,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
+from jaxcp.cp.split import from_layout, to_layout
 from jaxcp.models import LM, CausalSelfAttention, GatedDeltaNet, KimiDeltaAttention
 from jaxcp.models.cache import DeltaRuleCache, KVCache
 from jaxcp.models.layers import RECURRENT_MAX_TOKENS
+from test_models import mesh_of
 
 HIDDEN, B = 32, 2
 LAYERS = {
-    "gdn": lambda: GatedDeltaNet(HIDDEN, 2, 16, rngs=nnx.Rngs(0)),
-    "kda": lambda: KimiDeltaAttention(HIDDEN, 2, 16, rngs=nnx.Rngs(0)),
-    "attn": lambda: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, block_size=8,
-                                        rngs=nnx.Rngs(0)),
+    "gdn": lambda **cp: GatedDeltaNet(HIDDEN, 2, 16, rngs=nnx.Rngs(0), **cp),
+    "kda": lambda **cp: KimiDeltaAttention(HIDDEN, 2, 16, rngs=nnx.Rngs(0), **cp),
+    "attn": lambda **cp: CausalSelfAttention(HIDDEN, 4, num_kv_heads=2, block_size=8,
+                                             rngs=nnx.Rngs(0), **cp),
 }
 
 
@@ -53,6 +57,27 @@ def test_layer_prefill_then_decode_equals_one_forward(kind):
         assert isinstance(cache, KVCache) and int(cache.length) == T
     else:
         assert isinstance(cache, DeltaRuleCache) and len(cache.conv) == 3
+
+
+@pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_cp_prefill_fills_one_devices_cache(kind, cp_layout):
+    """A prompt split over 4 devices prefills with the CP op: the output is the layer's, the
+    cache (the same on every device) is a one-device prefill's, and the next tokens decode
+    alike from either."""
+    W, T = 4, 32
+    plain, split = LAYERS[kind](), LAYERS[kind](cp_axis="seq", cp_layout=cp_layout)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((B, T + 2, HIDDEN)), jnp.float32)
+    prompt, nxt = x[:, :T], x[:, T:]
+    want_y, want_cache = plain(prompt, cache=_init_cache(plain, T + 2))
+    body = lambda x, c: split(x, cache=c)
+    y, cache = jax.jit(jax.shard_map(body, mesh=mesh_of(W), in_specs=(P(None, "seq"), P()),
+                                     out_specs=(P(None, "seq"), P())))(
+        to_layout(prompt, cp_layout, W), _init_cache(split, T + 2))
+    chex.assert_trees_all_close(from_layout(y, cp_layout, W), want_y, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(cache, want_cache, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(plain(nxt, cache=cache), plain(nxt, cache=want_cache),
+                                rtol=1e-4, atol=1e-5)
 
 
 def test_layer_cache_errors():

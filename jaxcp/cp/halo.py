@@ -1,5 +1,5 @@
 """The conv halo: the last tokens before each of this device's pieces, fetched from the devices
-that hold the pieces before them.
+that hold the pieces before them; and the sequence's last tokens, for a decoding cache.
 
 A causal convolution of width W at a piece's first tokens needs the W - 1 tokens before it.
 They may sit in several earlier pieces when a piece is shorter than W - 1, so the window is
@@ -29,3 +29,17 @@ def previous_tokens(x: jax.Array, width: int, axis: str,
                       for w, xp in zip(windows, xs))
         windows = next_piece_shift(cp_layout, axis, tails)
     return windows
+
+
+def sequence_tail(x: jax.Array, width: int, axis: str,
+                  cp_layout: str = "contiguous") -> jax.Array:
+    """x [B, T_local, ...] of every device -> the sequence's last `width` tokens
+    [B, width, ...], the same on every device (a decoding cache's window after a prefill
+    split over the axis). The sequence's last piece must hold `width` tokens."""
+    local = axis_pieces(cp_layout, axis, x.shape[1])
+    last = local[-1]
+    if last.length < width:
+        raise ValueError(f"a piece of {last.length} tokens holds no window of {width}")
+    tail = x[:, last.offset + last.length - width:last.offset + last.length]
+    holds = last.index == lax.axis_size(axis) * len(local) - 1
+    return lax.psum(jnp.where(holds, tail, jnp.zeros((), x.dtype)), axis)

@@ -130,6 +130,16 @@ def gather_in_order(x: jax.Array, cp_layout: str, axis: str) -> tuple[jax.Array,
     return gather(x[:, :P]), gather(mirror)
 
 
+def whole_sequence(x: jax.Array, cp_layout: str, axis: str) -> jax.Array:
+    """x [B, T_local, ...] of every device -> the whole sequence [B, W T_local, ...] in order,
+    the same on every device: each device's tokens at their positions, summed over the axis
+    (an all-reduce rather than an all-gather, so that shard_map knows the result replicated)."""
+    T = x.shape[1]
+    pos = axis_positions(cp_layout, axis, T)
+    placed = jnp.zeros((x.shape[0], lax.axis_size(axis) * T) + x.shape[2:], x.dtype)
+    return lax.psum(placed.at[:, pos].set(x), axis)
+
+
 def next_piece_shift(cp_layout: str, axis: str, tails: tuple) -> tuple:
     """tails: one array per local piece (in local order). Returns, per local piece, the array
     of the piece just before it in the sequence (zeros for piece 0), moved with ppermute."""

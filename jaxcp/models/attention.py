@@ -11,11 +11,12 @@ from jaxcp.attention.blockwise import blockwise_attention
 from jaxcp.attention.prefix import gathered_causal_attention
 from jaxcp.attention.ring import ring_causal_attention
 from jaxcp.attention.rope import rope
-from jaxcp.cp.split import axis_positions, check_layout, gather_in_order
+from jaxcp.cp.split import axis_positions, check_layout, gather_in_order, whole_sequence
 from jaxcp.layout import sequence_of
 from jaxcp.models.cache import KVCache
 from jaxcp.models.enter import call_with_cp
 from jaxcp.models.inputs import check_hidden_states
+from jaxcp.vma import manual_axis_size
 
 CP_KV = ("allgather", "ring")
 
@@ -85,6 +86,8 @@ class CausalSelfAttention(nnx.Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"CausalSelfAttention: cache must be a KVCache (init_cache), got "
                             f"{type(cache).__name__}")
+        if self.cp_axis is not None and manual_axis_size(self.cp_axis) is not None:
+            return self._forward(x, None, cache)
         return self._forward_cached(x, cache)
 
     def _forward_cached(self, x, cache):
@@ -104,7 +107,9 @@ class CausalSelfAttention(nnx.Module):
                                 block_q=self.block_size, block_k=self.block_size)
         return self.o_proj(o.reshape(B, T, -1)), KVCache(k_all, v_all, cache.length + T)
 
-    def _forward(self, x, cu_seqlens):
+    def _forward(self, x, cu_seqlens, cache=None):
+        """The layer over x; with a cache (inside shard_map: a prefill of the sequence split
+        over cp_axis into an empty cache), also the cache holding the whole sequence's K, V."""
         B, T, _ = x.shape
         pos = axis_positions(self.cp_layout, self.cp_axis, T)
         seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
@@ -122,15 +127,21 @@ class CausalSelfAttention(nnx.Module):
             attend = ring_causal_attention if self.cp_kv == "ring" else gathered_causal_attention
             o = attend(q, k, v, self.cp_axis, pieces, cp_layout=self.cp_layout)
         else:
-            k_pos, k_seq = pos, seq
+            k_all, v_all, k_pos, k_seq = k, v, pos, seq
             if self.cp_axis is not None:
                 # the whole sequence in order: each query block's visible keys are one run
                 in_order = lambda a: jnp.concatenate(
                     gather_in_order(a, self.cp_layout, self.cp_axis), axis=1)
-                k, v = in_order(k), in_order(v)
-                k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+                k_all, v_all = in_order(k), in_order(v)
+                k_pos = jnp.arange(k_all.shape[1], dtype=jnp.int32)
                 k_seq = (jnp.zeros_like(k_pos) if cu_seqlens is None
                          else sequence_of(cu_seqlens, k_pos))
-            o = blockwise_attention(q, k, v, pos, seq, k_pos, k_seq, block_q=self.block_size,
-                                    block_k=self.block_size)
-        return self.o_proj(o.reshape(B, T, -1))
+            o = blockwise_attention(q, k_all, v_all, pos, seq, k_pos, k_seq,
+                                    block_q=self.block_size, block_k=self.block_size)
+        y = self.o_proj(o.reshape(B, T, -1))
+        if cache is None:
+            return y
+        put = lambda c, a: lax.dynamic_update_slice(
+            c, whole_sequence(a, self.cp_layout, self.cp_axis).astype(c.dtype), (0, 0, 0, 0))
+        length = jnp.int32(T * lax.axis_size(self.cp_axis))
+        return y, KVCache(put(cache.k, k), put(cache.v, v), length)

@@ -16,7 +16,9 @@ fetch their halo, the delta rule merges state maps across devices); outside one,
 cu_seqlens (global offsets, B == 1) packs sequences. With a cache (``models.cache``,
 ``init_cache``) a call continues the sequences the cache holds and returns the new cache:
 a prompt runs through the chunk op, a few tokens through the recurrent op (decoding, one
-device, no packing).
+device, no packing). Inside a shard_map where cp_axis is manual, a call with an empty cache
+is a prefill of the sequence split over the axis (the CP op); the cache it returns is the
+same on every device.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxcp.cp.halo import sequence_tail
 from jaxcp.cp.split import check_layout
 from jaxcp.models.cache import DeltaRuleCache
 from jaxcp.models.conv import ShortConvolution
@@ -34,6 +37,7 @@ from jaxcp.models.enter import call_with_cp
 from jaxcp.models.norm import RMSNorm, RMSNormGated
 from jaxcp.ops import chunk_gated_delta_rule, chunk_kda
 from jaxcp.recurrent import recurrent_gated_delta_rule, recurrent_kda
+from jaxcp.vma import manual_axis_size
 
 # calls with a cache and fewer tokens than this take the recurrent op (the chunk op beyond)
 RECURRENT_MAX_TOKENS = 64
@@ -93,6 +97,10 @@ class _DeltaRuleLayer(nnx.Module):
             jnp.zeros((batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim),
                       jnp.float32))
 
+    def _split_over_axis(self) -> bool:
+        """Whether this call runs inside a shard_map where cp_axis is manual."""
+        return self.cp_axis is not None and manual_axis_size(self.cp_axis) is not None
+
     def _call(self, x, cu_seqlens, cache, forward, name):
         check_hidden_states(x, self.hidden_size, name)
         if cache is None:
@@ -110,12 +118,16 @@ class _DeltaRuleLayer(nnx.Module):
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_windows = ()
-        if self.use_short_conv and windows is not None:
-            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ()
+        if convs and windows is not None and not self._split_over_axis():
             (q, wq), (k, wk), (v, wv) = (c.extend(y, w) for c, y, w in zip(convs, (q, k, v),
                                                                           windows))
             new_windows = (wq, wk, wv)
-        elif self.use_short_conv:
+        elif convs:
+            if windows is not None:
+                # a prefill split over the axis: the windows are the sequence's last inputs
+                new_windows = tuple(sequence_tail(y, c.conv_size - 1, self.cp_axis, self.cp_layout)
+                                    for c, y in zip(convs, (q, k, v)))
             q = self.q_conv1d(q, cu_seqlens)
             k = self.k_conv1d(k, cu_seqlens)
             v = self.v_conv1d(v, cu_seqlens)
@@ -140,6 +152,11 @@ class _DeltaRuleLayer(nnx.Module):
             o, _ = chunk(*args, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
                          cp_axis=self.cp_axis, cp_layout=self.cp_layout, backend=self.backend,
                          **chunk_kw, **gate_kw)
+        elif self._split_over_axis():
+            o, state = chunk(*args, initial_state=cache.state, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, cp_axis=self.cp_axis,
+                             cp_layout=self.cp_layout, backend=self.backend, **chunk_kw,
+                             **gate_kw)
         elif T < RECURRENT_MAX_TOKENS:
             o, state = recurrent(*args, initial_state=cache.state,
                                  use_qk_l2norm_in_kernel=True, **gate_kw)
