@@ -61,6 +61,16 @@ def _check_traced_cu_seqlens(cu_seqlens, total: int) -> None:
                    cu=cu)
 
 
+def check_backend(backend) -> None:
+    """backend must be one of BACKENDS, and "pallas" needs a GPU."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "pallas" and not gpu_present():
+        raise ValueError(f"backend='pallas' runs the Pallas kernels on a GPU, and JAX's "
+                         f"backend here is {jax.default_backend()!r}: use backend='interpret' "
+                         f"(the same kernels, interpreted: slow) or 'xla'")
+
+
 def check_array(name: str, x, dims: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
@@ -118,12 +128,7 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "pallas" and not gpu_present():
-        raise ValueError(f"backend='pallas' runs the Pallas kernels on a GPU, and JAX's "
-                         f"backend here is {jax.default_backend()!r}: use backend='interpret' "
-                         f"(the same kernels, interpreted: slow) or 'xla'")
+    check_backend(backend)
     if cp_strategy not in CP_STRATEGIES:
         raise ValueError(f"cp_strategy must be one of {CP_STRATEGIES}, got {cp_strategy!r}")
 

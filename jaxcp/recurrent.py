@@ -15,8 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcp.checks import check_array, check_gate_activation
+from jaxcp.checks import check_array, check_backend, check_gate_activation
 from jaxcp.gate import Gate, decay_from_raw
+from jaxcp.l2norm import l2_normalize
+from jaxcp.pallas.triton.common.recurrent import recurrent_step
 from jaxcp.reference import token_recurrence
 
 
@@ -54,10 +56,19 @@ def _check(gate: Gate, q, k, v, g, beta, initial_state, state_indices) -> None:
 
 
 def _recurrent_op(q, k, v, g, beta, *, scale, initial_state, state_indices,
-                  use_qk_l2norm_in_kernel):
+                  use_qk_l2norm_in_kernel, backend):
     """The steps on every batch row from its state (module docstring); g is the decay."""
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if backend in ("pallas", "interpret"):
+        if use_qk_l2norm_in_kernel:
+            q, k = l2_normalize(q), l2_normalize(k)
+        table = (jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None
+                 else initial_state)
+        rows = jnp.arange(B, dtype=jnp.int32) if state_indices is None else state_indices
+        return recurrent_step(q, k, v, g, beta, table, rows,
+                              scale=K ** -0.5 if scale is None else float(scale),
+                              interpret=backend == "interpret")
     if initial_state is None:
         states = jnp.zeros((B, HV, K, V), jnp.float32)
     elif state_indices is None:
@@ -67,8 +78,8 @@ def _recurrent_op(q, k, v, g, beta, *, scale, initial_state, state_indices,
         rows = initial_state.astype(jnp.float32)[jnp.maximum(idx, 0)]
         states = jnp.where((idx >= 0)[:, None, None, None], rows, 0.0)
     o, new = token_recurrence(q, k, v, g, beta, scale=scale, initial_state=states,
-                        output_final_state=True, cu_seqlens=None,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                              output_final_state=True, cu_seqlens=None,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if state_indices is not None:
         table = initial_state.astype(jnp.float32)
         # rows with index -1 go past the table's end, where a scatter in "drop" mode drops them
@@ -80,7 +91,8 @@ def _recurrent_op(q, k, v, g, beta, *, scale, initial_state, state_indices,
 _DOC = """{title}
 
     o, state = {name}(q, k, v, g, beta, *, scale=None, initial_state=None,
-        state_indices=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, ...)
+        state_indices=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, ...,
+        backend=None)
 
     A few tokens per call (decoding) from a table of states (``jaxcp.recurrent``). The same
     arguments as ``{chunk}`` where they apply: q, k [B, T, H, K]; v [B, T, HV, V]; g
@@ -89,6 +101,9 @@ _DOC = """{title}
       initial_state: [N, HV, K, V] (float32 is kept); None: every row starts from zero.
       state_indices: int [B], the table row of each batch row (-1: start from zero, keep
         nothing); None: row b reads row b (N == B).
+      backend: "xla" (None, the token recurrence), "pallas" (one fused kernel per call on a
+        GPU, each state read once and written back in place; not yet timed) or "interpret"
+        (that kernel interpreted, any device).
 
     Returns o [B, T, HV, V] in v's dtype and the table [N, HV, K, V] float32 with the rows
     read replaced by the state after the last token ([B, HV, K, V] without a table).
@@ -101,7 +116,9 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
                                state_indices: jax.Array | None = None,
                                use_qk_l2norm_in_kernel: bool = False,
                                use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
-                               dt_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                               dt_bias: jax.Array | None = None,
+                               backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    check_backend(backend)
     check_gate_activation(Gate.SCALAR, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias)
     _check(Gate.SCALAR, q, k, v, g, beta, initial_state, state_indices)
@@ -109,23 +126,28 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
         g = decay_from_raw(Gate.SCALAR, g, A_log, dt_bias)
     return _recurrent_op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          state_indices=state_indices,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         backend=backend or "xla")
 
 
 def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                   scale: float | None = None, initial_state: jax.Array | None = None,
                   state_indices: jax.Array | None = None, use_qk_l2norm_in_kernel: bool = False,
                   use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
-                  dt_bias: jax.Array | None = None, lower_bound: float | None = None
+                  dt_bias: jax.Array | None = None, lower_bound: float | None = None,
+                  safe_gate: bool = False, backend: str | None = None
                   ) -> tuple[jax.Array, jax.Array]:
+    check_backend(backend)
     check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
-                          A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+                          A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
+                          lower_bound=lower_bound)
     _check(Gate.CHANNEL, q, k, v, g, beta, initial_state, state_indices)
     if use_gate_in_kernel:
         g = decay_from_raw(Gate.CHANNEL, g, A_log, dt_bias, lower_bound)
     return _recurrent_op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          state_indices=state_indices,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         backend=backend or "xla")
 
 
 recurrent_gated_delta_rule.__doc__ = _DOC.format(

@@ -63,6 +63,15 @@ class StateBlocks:
             return cls(block_cols=16)
         return cls(block_cols=32)
 
+    @classmethod
+    def recurrent(cls, K: int, V: int, rows: int) -> "StateBlocks":
+        """The decoding step's (rows: B HV): the default's columns, halved down to 16 until
+        the programs fill the GPU once (few sequences)."""
+        cols = min(V, cls.default(K).block_cols)
+        while cols > 16 and rows * (V // cols) < FULL_GRID:
+            cols //= 2
+        return cls(block_cols=cols)
+
     def cols(self, n: int) -> int:
         """Columns per program for a state of n columns."""
         return min(n, self.block_cols)
