@@ -78,3 +78,19 @@ def cp_call(op, mesh, axis: str, *, check_vma: bool = True, cp_layout: str = "co
         return jaxcp.from_layout(o, cp_layout, W), final
 
     return call
+
+
+def attention_inputs(T: int, N: int, G: int, D: int, seed: int = 0):
+    """q [1, T, N, D], k, v [1, T, G, D] and an output cotangent [1, T, N, D], normal."""
+    rng = np.random.default_rng(seed)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    return r(1, T, N, D), r(1, T, G, D), r(1, T, G, D), r(1, T, N, D)
+
+
+def whole_causal_attention(q, k, v):
+    """The causal softmax attention of one sequence (``blockwise_attention``): the
+    reference of every split of it."""
+    from jaxcp.attention.blockwise import blockwise_attention
+    pos = jnp.arange(q.shape[1])
+    zero = jnp.zeros_like(pos)
+    return blockwise_attention(q, k, v, pos, zero, pos, zero, block_q=8, block_k=8)

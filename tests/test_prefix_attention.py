@@ -1,7 +1,6 @@
 """Attention under CP as two pieces merged by their log-sum-exp == the causal softmax over the
 whole sequence: outputs and gradients, each device's share simulated on one device, and the
 layer under shard_map."""
-import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
@@ -9,25 +8,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxcp.attention import cudnn, select
-from jaxcp.attention.blockwise import blockwise_attention
 from jaxcp.attention.pieces import DensePieces
 from jaxcp.attention.prefix import prefix_causal_attention
 from jaxcp.models import CausalSelfAttention
 from jaxcp.models import attention
-from helpers import assert_rel
+from helpers import assert_rel, attention_inputs, whole_causal_attention
 from test_models import HIDDEN, compare_cp, mesh_of
-
-
-def _inputs(T, N, G, D, seed=0):
-    rng = np.random.default_rng(seed)
-    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    return r(1, T, N, D), r(1, T, G, D), r(1, T, G, D), r(1, T, N, D)
-
-
-def _whole(q, k, v):
-    pos = jnp.arange(q.shape[1])
-    zero = jnp.zeros_like(pos)
-    return blockwise_attention(q, k, v, pos, zero, pos, zero, block_q=8, block_k=8)
 
 
 def _by_devices(W):
@@ -43,20 +29,20 @@ def _by_devices(W):
 
 
 @pytest.mark.parametrize("W,N,G", [(1, 2, 2), (4, 4, 2), (3, 2, 1)])
-def test_prefix_pieces_equal_whole_attention(W, N, G):
-    q, k, v, wo = _inputs(6 * W, N, G, 16)
+def test_prefix_pieces_equalwhole_causal_attention_attention(W, N, G):
+    q, k, v, wo = attention_inputs(6 * W, N, G, 16)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * wo)
-    got, want = _by_devices(W)(q, k, v), _whole(q, k, v)
+    got, want = _by_devices(W)(q, k, v), whole_causal_attention(q, k, v)
     assert_rel(got, want, 1e-5, "o")
     grads = jax.grad(loss(_by_devices(W)), argnums=(0, 1, 2))(q, k, v)
-    grads_want = jax.grad(loss(_whole), argnums=(0, 1, 2))(q, k, v)
+    grads_want = jax.grad(loss(whole_causal_attention), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip(("dq", "dk", "dv"), grads, grads_want):
         assert_rel(a, b, 1e-5, name)
 
 
 def test_dense_piece_backward_is_its_vjp():
     """Alone (its own o and lse) a piece's backward is the gradient of its forward."""
-    q, k, v, do = _inputs(10, 4, 2, 8, seed=1)
+    q, k, v, do = attention_inputs(10, 4, 2, 8, seed=1)
     pieces = DensePieces()
     for prefix in (None, jnp.int32(7)):
         o, lse = pieces.forward(q, k, v, prefix, 0.3)

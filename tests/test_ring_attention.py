@@ -3,32 +3,19 @@ gradients on fake CPU devices, both layouts, and the layer with cp_kv="ring"."""
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxcp.attention import select
-from jaxcp.attention.blockwise import blockwise_attention
 from jaxcp.attention.pieces import DensePieces
 from jaxcp.attention.ring import ring_causal_attention
 from jaxcp.cp.split import from_layout, to_layout
 from jaxcp.models import CausalSelfAttention
+from helpers import attention_inputs, whole_causal_attention
 from test_models import HIDDEN, compare_cp, mesh_of
 
 SEQ = P(None, "seq")
-
-
-def _inputs(T, N, G, D, seed=0):
-    rng = np.random.default_rng(seed)
-    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    return r(1, T, N, D), r(1, T, G, D), r(1, T, G, D), r(1, T, N, D)
-
-
-def _whole(q, k, v):
-    pos = jnp.arange(q.shape[1])
-    zero = jnp.zeros_like(pos)
-    return blockwise_attention(q, k, v, pos, zero, pos, zero, block_q=8, block_k=8)
 
 
 def _ring(W, cp_layout):
@@ -45,15 +32,15 @@ def _ring(W, cp_layout):
 
 @pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("W,N,G", [(4, 4, 2), (2, 2, 1), (1, 2, 2)])
-def test_ring_equals_whole_attention(cp_layout, W, N, G):
-    q, k, v, wo = _inputs(8 * W, N, G, 16)
+def test_ring_equalswhole_causal_attention_attention(cp_layout, W, N, G):
+    q, k, v, wo = attention_inputs(8 * W, N, G, 16)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * wo)
     ring = _ring(W, cp_layout)
-    got, want = jax.jit(ring)(q, k, v), _whole(q, k, v)
+    got, want = jax.jit(ring)(q, k, v), whole_causal_attention(q, k, v)
     chex.assert_shape(got, q.shape)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
     grads = jax.jit(jax.grad(loss(ring), argnums=(0, 1, 2)))(q, k, v)
-    grads_want = jax.grad(loss(_whole), argnums=(0, 1, 2))(q, k, v)
+    grads_want = jax.grad(loss(whole_causal_attention), argnums=(0, 1, 2))(q, k, v)
     chex.assert_tree_all_finite(grads)
     chex.assert_trees_all_close(grads, grads_want, rtol=1e-5, atol=1e-5)
 
