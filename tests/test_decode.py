@@ -128,3 +128,23 @@ def test_generate_samples_with_a_key():
         model.generate(prompt, 3, temperature=1.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(prompt, 0)
+
+
+def test_lm_cp_prefill_then_decode():
+    """The LM inside shard_map with an empty cache: the prompt's logits and every block's
+    cache equal a one-device prefill's, and decoding from either gives the same logits."""
+    W, T = 4, 32
+    plain = _lm()
+    split = LM(64, HIDDEN, "gdn,attn,kda", 2, 16, cp_axis="seq", cp_layout="zigzag",
+               rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (B, T + 1)), jnp.int32)
+    want_logits, want_cache = plain(tokens[:, :T], cache=plain.init_cache(B, T + 1))
+    body = lambda t, c: split(t, cache=c)
+    logits, cache = jax.jit(jax.shard_map(body, mesh=mesh_of(W), in_specs=(P(None, "seq"), P()),
+                                          out_specs=(P(None, "seq"), P())))(
+        to_layout(tokens[:, :T], "zigzag", W), split.init_cache(B, T + 1))
+    chex.assert_trees_all_close(from_layout(logits, "zigzag", W), want_logits, rtol=1e-4,
+                                atol=1e-5)
+    chex.assert_trees_all_close(cache, want_cache, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(plain(tokens[:, T:], cache=cache)[0],
+                                plain(tokens[:, T:], cache=want_cache)[0], rtol=1e-4, atol=1e-5)

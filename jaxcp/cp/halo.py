@@ -39,7 +39,8 @@ def sequence_tail(x: jax.Array, width: int, axis: str,
     local = axis_pieces(cp_layout, axis, x.shape[1])
     last = local[-1]
     if last.length < width:
-        raise ValueError(f"a piece of {last.length} tokens holds no window of {width}")
+        raise ValueError(f"the window of the last {width} tokens needs pieces of at least "
+                         f"{width} tokens per device, got {last.length}")
     tail = x[:, last.offset + last.length - width:last.offset + last.length]
     holds = last.index == lax.axis_size(axis) * len(local) - 1
     return lax.psum(jnp.where(holds, tail, jnp.zeros((), x.dtype)), axis)
