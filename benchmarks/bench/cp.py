@@ -495,12 +495,12 @@ def main(argv=None) -> int:
     if args.T % pieces:
         ap.error(f"--T must divide into {pieces} pieces (W = {W}, --cp-layouts {args.cp_layouts})")
     records = run_fla(args, W) if gpus and not args.no_fla else []
+    save = saver(args.json, records)
+    save()
     import jax
 
     if len(jax.devices()) < W:
         ap.error(f"--devices {W}: JAX sees {len(jax.devices())} devices")
-    save = saver(args.json, records)
-    save()
     records += run_jaxcp(ops, args.T, args.H, args.D, W, args.iters, strategies, args.backend,
                          save, names, cp_layouts, args.compile_threads)
     save()
