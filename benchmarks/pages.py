@@ -35,17 +35,19 @@ def kind(json_path: str) -> str:
     raise ValueError(f"{json_path}: not a benchmark record file ({', '.join(RENDERERS)}[_*])")
 
 
-def render(json_path: str) -> str:
+def render(json_path: str, record_kind: str | None = None) -> str:
     """The markdown of a record file: a line naming its sources and the command that renders
-    it, the kind's tables, the plot's link, then NAME.notes.md if there is one."""
+    it, the tables of its kind (record_kind, default ``kind`` of its name), the plot's link,
+    then NAME.notes.md if there is one."""
     base = os.path.splitext(json_path)[0]
     name = os.path.basename(base)
+    record_kind = record_kind or kind(json_path)
     with open(json_path) as f:
         records = json.load(f)
     parts = [f"<!-- Rendered from {name}.json and {name}.notes.md by `{COMMAND} "
              f"docs/benchmarks/{name}.json`: edit those, not this file. -->\n",
-             RENDERERS[kind(json_path)](records)]
-    if kind(json_path) in PLOTS:
+             RENDERERS[record_kind](records)]
+    if record_kind in PLOTS:
         parts.append(f"![{name}]({name}.png)\n")
     if os.path.exists(base + ".notes.md"):
         with open(base + ".notes.md") as f:
@@ -53,18 +55,21 @@ def render(json_path: str) -> str:
     return "\n".join(parts)
 
 
-def write(json_path: str, out_dir: str | None = None, png: bool = True) -> list[str]:
+def write(json_path: str, out_dir: str | None = None, png: bool = True,
+          record_kind: str | None = None) -> list[str]:
     """Write NAME.md (and NAME.png where the kind has a plot and png is set) into out_dir
-    (default: beside the JSON); returns the paths written."""
+    (default: beside the JSON); the kind is record_kind, default ``kind`` of the name.
+    Returns the paths written."""
     base = os.path.splitext(json_path)[0]
     out = os.path.join(out_dir or os.path.dirname(base), os.path.basename(base))
+    record_kind = record_kind or kind(json_path)
     with open(out + ".md", "w") as f:
-        f.write(render(json_path))
+        f.write(render(json_path, record_kind))
     written = [out + ".md"]
-    if png and kind(json_path) in PLOTS:
+    if png and record_kind in PLOTS:
         from benchmarks import plot
         with open(json_path) as f:
-            getattr(plot, PLOTS[kind(json_path)])(json.load(f), out + ".png")
+            getattr(plot, PLOTS[record_kind])(json.load(f), out + ".png")
         written.append(out + ".png")
     return written
 

@@ -2,19 +2,20 @@
 extra)."""
 from __future__ import annotations
 
-from benchmarks.bench import kernels, memory
+from benchmarks.bench import cp, kernels, memory
 
 PASSES = ("fwd", "fwd+bwd")
 
 
-def _panels(figsize):
-    """A figure of one log-scale panel per pass, on the Agg backend."""
+def _panels(figsize, rows: int = 1):
+    """A figure of `rows` rows of one log-scale panel per pass, on the Agg backend; axes
+    [rows, pass]."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PASSES), figsize=figsize)
-    for ax in axes:
+    fig, axes = plt.subplots(rows, len(PASSES), figsize=figsize, squeeze=False)
+    for ax in axes.flat:
         ax.set_ylabel("ms (lower is better)")
         ax.set_yscale("log")
     return fig, axes
@@ -26,7 +27,7 @@ def kernels_png(records: list[dict], path: str) -> None:
     keys, names = kernels.shapes(records), kernels.impls_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
     fig, axes = _panels((11, 4))
-    for ax, passes in zip(axes, PASSES):
+    for ax, passes in zip(axes[0], PASSES):
         width = 0.8 / len(names)
         for n, impl in enumerate(names):
             vals = [ms.get((impl, T, H, D, passes), 0.0) for T, H, D in keys]
@@ -40,19 +41,27 @@ def kernels_png(records: list[dict], path: str) -> None:
 
 
 def cp_png(records: list[dict], path: str) -> None:
-    """Per pass, one bar per record (implementation, strategy, layout)."""
+    """One row of panels per op, one panel per pass, one bar per record (implementation,
+    strategy, CP layout where not contiguous, sequences)."""
     W = max(r["W"] for r in records)
-    fig, axes = _panels((12, 5))
-    for ax, passes in zip(axes, PASSES):
-        rows = [r for r in records if r["pass"] == passes]
-        labels = [f"{r['impl'].replace('jaxcp-', '')}\n{r['strategy']}\n{r['nseq']} seq"
-                  for r in rows]
-        ax.bar(range(len(rows)), [r["ms"] for r in rows])
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, fontsize=7, rotation=90)
-        ax.set_title(f"GDN {passes}, W = {W}")
+    ops = cp.ops_of(records)
+    fig, axes = _panels((12, 5 * len(ops)), len(ops))
+    for op, row in zip(ops, axes):
+        for ax, passes in zip(row, PASSES):
+            bars = [r for r in records if r["op"] == op and r["pass"] == passes]
+            ax.bar(range(len(bars)), [r["ms"] for r in bars])
+            ax.set_xticks(range(len(bars)))
+            ax.set_xticklabels([_cp_label(r) for r in bars], fontsize=7, rotation=90)
+            ax.set_title(f"{op.upper()} {passes}, W = {W}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _cp_label(record: dict) -> str:
+    """A CP record's bar label: implementation, strategy, layout (when zigzag), sequences."""
+    layout = cp.layout_of(record)
+    return "\n".join([record["impl"].replace("jaxcp-", ""), record["strategy"],
+                      *([layout] if layout != "contiguous" else []), f"{record['nseq']} seq"])
 
 
 def memory_png(records: list[dict], path: str) -> None:

@@ -80,3 +80,36 @@ def test_kernel_page_says_when_the_gate_is_computed_in_the_op():
     assert "use_gate_in_kernel" not in kernels.markdown(records)
     gated = [dict(r, gate_in_kernel=True) for r in records]
     assert "gate computed in the op" in kernels.markdown(gated)
+
+
+def test_cp_page_has_a_section_per_op_and_a_target_row_per_layout():
+    """GDN and KDA each get their tables; allgather's zigzag row is set against the one
+    all_to_all run; a record without a layout (older files) is contiguous."""
+    from benchmarks.bench import cp
+    row = dict(T=8, H=2, K=16, V=16, nseq=1, device="H100", **{"pass": "fwd"})
+    jax_row = dict(row, impl="jaxcp-pallas")
+    records = [dict(jax_row, op="gdn", strategy="none", W=1, ms=4.0),
+               dict(jax_row, op="gdn", strategy="allgather", W=2, ms=2.5),
+               dict(jax_row, op="kda", strategy="none", W=1, ms=4.0, layout="contiguous"),
+               dict(jax_row, op="kda", strategy="allgather", W=2, ms=2.5, layout="contiguous"),
+               dict(jax_row, op="kda", strategy="allgather", W=2, ms=2.0, layout="zigzag"),
+               dict(jax_row, op="kda", strategy="all_to_all", W=2, ms=5.0, layout="contiguous"),
+               dict(row, impl="fla", op="kda", strategy="fla-kcp", W=2, ms=4.0,
+                    layout="contiguous")]
+    text = cp.markdown(records)
+    gdn, kda = text.split("## GDN")[1].split("## KDA")
+    assert "| 1 | fwd | contiguous | 2.50 | - | - | - | 0.80 |" in gdn
+    assert "| 1 | fwd | contiguous | 2.50 | 4.00 | 0.62x | 2.00x | 0.80 |" in kda
+    assert "| 1 | fwd | zigzag | 2.00 | - | - | 2.50x | 1.00 |" in kda
+    assert "| jaxcp-pallas | allgather | zigzag | 1 | fwd | 2.00 | 100% | 0.00 |" in kda
+
+
+@pytest.mark.parametrize("flags", [["--ops", "gla"], ["--cp-layouts", "striped"],
+                                   ["--strategies", "ring"], ["--T", "0"]])
+def test_bench_cp_flag_errors(flags, capsys):
+    """Bad flags: exit code 2 and a message naming the flag, before any run."""
+    from benchmarks.bench import cp
+    with pytest.raises(SystemExit) as e:
+        cp.main(flags)
+    assert e.value.code == 2
+    assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
