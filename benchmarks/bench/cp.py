@@ -409,7 +409,7 @@ def markdown(records: list[dict]) -> str:
     without CP, and the target table per sequences, pass and CP layout."""
     W = max(r["W"] for r in records)
     first = records[0]
-    lines = ["# Context-parallel GDN and KDA benchmark", "",
+    lines = ["# Context-parallel benchmark", "",
              f"Device: {W} x {first['device']}; T = {first['T']}, H = {first['H']}, "
              f"K = V = {first['K']}, bf16, B = 1, median ms per call.", "",
              "rate = (t_none / W) / t (1.0 is a perfect split); overhead = t - t_none / W: what "
