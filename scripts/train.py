@@ -30,11 +30,13 @@ where the backend does not report it), elapsed_s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -350,51 +352,56 @@ def _train(args, ap, argv, env, cluster) -> int:
     compiled = step_fn.lower(params, opt_state, batch).compile()
     say(f"compiled in {time.perf_counter() - t_start:.0f} s; it needs "
         f"{_compiled_gib(compiled)} GiB per device")
-    try:
-        for step in range(start + 1, args.steps + 1):
-            if step > start + 1:
-                batch = place_batch(batch_at(jax.random.fold_in(base, step)))
-            batch = jax.block_until_ready(batch)
-            t0 = time.perf_counter()
-            params, opt_state, loss, _ = jax.block_until_ready(compiled(params, opt_state, batch))
-            loss = float(local_value(loss))
-            if not math.isfinite(loss):
-                if main_process:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(dict(step=step, loss=loss, eval_accuracy=None)) + "\n")
-                ckpt.wait_until_finished()
-                print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
-                return 1
-            if step > start + 1:
-                all_times.append(time.perf_counter() - t0)
-                recent.append(all_times[-1])
-            if every(args.eval_every, step):
-                eval_acc = None
-                if args.eval_every > 0:
-                    _, acc = eval_fn(params, place_batch(batch_at(eval_key)))
-                    eval_acc = round(float(local_value(acc)), 4)
-                record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
-                              **rates(recent), peak_mem_gib=peak_memory_gib(local_devices),
-                              elapsed_s=round(time.perf_counter() - t_start, 1))
-                recent = []
-                if main_process:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    _progress(record, args.steps)
-            if args.ckpt_every > 0 and every(args.ckpt_every, step):
-                ckpt.save(step, args=ocp.args.StandardSave({"params": params,
-                                                            "opt_state": opt_state}))
-            done, state_at_done = step, {"params": params, "opt_state": opt_state}
-    except KeyboardInterrupt:
-        # the last step whose records are written; a later one is run again on --resume
-        if done > start and ckpt.latest_step() != done:
-            ckpt.save(done, args=ocp.args.StandardSave(state_at_done), force=True)
-        ckpt.wait_until_finished()
-        last = ckpt.latest_step()
-        saved = (f"checkpoint at step {last} in {run_dir}/checkpoints (--resume continues)"
-                 if last is not None else "no checkpoint")
-        print(f"interrupted at step {done}: {saved}", file=sys.stderr)
-        return 130
+    with _sigint_between_steps() as interrupted:
+        try:
+            for step in range(start + 1, args.steps + 1):
+                if interrupted["requested"]:
+                    raise KeyboardInterrupt
+                if step > start + 1:
+                    batch = place_batch(batch_at(jax.random.fold_in(base, step)))
+                batch = jax.block_until_ready(batch)
+                t0 = time.perf_counter()
+                params, opt_state, loss, _ = jax.block_until_ready(
+                    compiled(params, opt_state, batch))
+                loss = float(local_value(loss))
+                if not math.isfinite(loss):
+                    if main_process:
+                        with open(metrics_path, "a") as f:
+                            f.write(json.dumps(dict(step=step, loss=loss,
+                                                    eval_accuracy=None)) + "\n")
+                    ckpt.wait_until_finished()
+                    print(f"error: the loss is {loss} at step {step}", file=sys.stderr)
+                    return 1
+                if step > start + 1:
+                    all_times.append(time.perf_counter() - t0)
+                    recent.append(all_times[-1])
+                if every(args.eval_every, step):
+                    eval_acc = None
+                    if args.eval_every > 0:
+                        _, acc = eval_fn(params, place_batch(batch_at(eval_key)))
+                        eval_acc = round(float(local_value(acc)), 4)
+                    record = dict(step=step, loss=round(loss, 5), eval_accuracy=eval_acc,
+                                  **rates(recent), peak_mem_gib=peak_memory_gib(local_devices),
+                                  elapsed_s=round(time.perf_counter() - t_start, 1))
+                    recent = []
+                    if main_process:
+                        with open(metrics_path, "a") as f:
+                            f.write(json.dumps(record) + "\n")
+                        _progress(record, args.steps)
+                if args.ckpt_every > 0 and every(args.ckpt_every, step):
+                    ckpt.save(step, args=ocp.args.StandardSave({"params": params,
+                                                                "opt_state": opt_state}))
+                done, state_at_done = step, {"params": params, "opt_state": opt_state}
+        except KeyboardInterrupt:
+            # the last step whose records are written; a later one is run again on --resume
+            if done > start and ckpt.latest_step() != done:
+                ckpt.save(done, args=ocp.args.StandardSave(state_at_done), force=True)
+            ckpt.wait_until_finished()
+            last = ckpt.latest_step()
+            saved = (f"checkpoint at step {last} in {run_dir}/checkpoints (--resume continues)"
+                     if last is not None else "no checkpoint")
+            print(f"interrupted at step {done}: {saved}", file=sys.stderr)
+            return 130
     ckpt.wait_until_finished()
     if not main_process:
         return 0
@@ -406,6 +413,25 @@ def _train(args, ap, argv, env, cluster) -> int:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary))
     return 0
+
+
+@contextlib.contextmanager
+def _sigint_between_steps():
+    """Ctrl-C during the training loop asks it to stop after the step in flight (the flag
+    the loop reads before each step): a KeyboardInterrupt raised while the main thread waits
+    in JAX's C++ code can be lost. A second Ctrl-C interrupts at once."""
+    interrupted = {"requested": False}
+
+    def handler(signum, frame):
+        if interrupted["requested"]:
+            raise KeyboardInterrupt
+        interrupted["requested"] = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _with_mfu(rates: dict, flops, peak: float | None) -> dict:
