@@ -100,9 +100,9 @@ def axis_size_or_raise(cp_axis: str) -> int:
     return size
 
 
-def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
-                 cp_strategy, chunk_size, backend, cp_layout="contiguous") -> None:
-    """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL)."""
+def check_operands(gate: Gate, q, k, v, g, beta, *, scale) -> None:
+    """The operands every op takes, chunked or recurrent: q, k [B, T, H, K], v [B, T, HV, V]
+    with HV a multiple of H, g (``gate.dims()``), beta [B, T, HV], scale > 0 or None."""
     for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
                           ("v", v, "[B, T, HV, V]"), ("beta", beta, "[B, T, HV]"),
                           ("g", g, gate.dims())):
@@ -112,13 +112,9 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, HV, V] with B, T = {B}, {T}; got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     if HV % H:
         raise ValueError(f"v's head count HV = {HV} must be a multiple of q/k's H = {H}")
-    if K not in HEAD_DIMS:
-        raise ValueError(f"q/k head dim K = {K} must be one of {HEAD_DIMS}")
-    if V not in HEAD_DIMS:
-        raise ValueError(f"v head dim V = {V} must be one of {HEAD_DIMS}")
     if beta.shape != (B, T, HV):
         raise ValueError(f"beta must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
     g_shape = gate.shape(B, T, HV, K)
@@ -126,6 +122,18 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
         raise ValueError(f"g must have shape {g_shape}, got {tuple(g.shape)}")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+
+
+def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
+                 cp_strategy, chunk_size, backend, cp_layout="contiguous") -> None:
+    """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL)."""
+    check_operands(gate, q, k, v, g, beta, scale=scale)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K not in HEAD_DIMS:
+        raise ValueError(f"q/k head dim K = {K} must be one of {HEAD_DIMS}")
+    if V not in HEAD_DIMS:
+        raise ValueError(f"v head dim V = {V} must be one of {HEAD_DIMS}")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
     check_backend(backend)

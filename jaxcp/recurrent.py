@@ -15,28 +15,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcp.checks import check_array, check_backend, check_gate_activation
+from jaxcp.checks import check_backend, check_gate_activation, check_operands
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.triton.common.recurrent import recurrent_step
 from jaxcp.reference import token_recurrence
 
 
-def _check(gate: Gate, q, k, v, g, beta, initial_state, state_indices) -> None:
-    for name, x, dims in (("q", q, "[B, T, H, K]"), ("k", k, "[B, T, H, K]"),
-                          ("v", v, "[B, T, HV, V]"), ("g", g, gate.dims()),
-                          ("beta", beta, "[B, T, HV]")):
-        check_array(name, x, dims)
-    B, T, H, K = q.shape
+def _check(gate: Gate, q, k, v, g, beta, scale, initial_state, state_indices) -> None:
+    check_operands(gate, q, k, v, g, beta, scale=scale)
+    B, K = q.shape[0], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:2] != (B, T) or HV % H:
-        raise ValueError(f"v must be [B={B}, T={T}, HV, V] with HV a multiple of H={H}, got "
-                         f"{tuple(v.shape)}")
-    for name, x, shape in (("g", g, gate.shape(B, T, HV, K)), ("beta", beta, (B, T, HV))):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
     if state_indices is not None:
         if initial_state is None:
             raise ValueError("state_indices selects rows of initial_state: pass the table too")
@@ -121,7 +110,7 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     check_backend(backend)
     check_gate_activation(Gate.SCALAR, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias)
-    _check(Gate.SCALAR, q, k, v, g, beta, initial_state, state_indices)
+    _check(Gate.SCALAR, q, k, v, g, beta, scale, initial_state, state_indices)
     if use_gate_in_kernel:
         g = decay_from_raw(Gate.SCALAR, g, A_log, dt_bias)
     return _recurrent_op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -141,7 +130,7 @@ def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
                           lower_bound=lower_bound)
-    _check(Gate.CHANNEL, q, k, v, g, beta, initial_state, state_indices)
+    _check(Gate.CHANNEL, q, k, v, g, beta, scale, initial_state, state_indices)
     if use_gate_in_kernel:
         g = decay_from_raw(Gate.CHANNEL, g, A_log, dt_bias, lower_bound)
     return _recurrent_op(q, k, v, g, beta, scale=scale, initial_state=initial_state,

@@ -14,9 +14,8 @@ from jaxcp.attention.rope import rope
 from jaxcp.cp.split import axis_positions, check_layout, gather_in_order, whole_sequence
 from jaxcp.layout import sequence_of
 from jaxcp.models.cache import KVCache
-from jaxcp.models.enter import call_with_cp
+from jaxcp.models.enter import call_with_cp, split_over_axis
 from jaxcp.models.inputs import check_hidden_states
-from jaxcp.vma import manual_axis_size
 
 CP_KV = ("allgather", "ring")
 
@@ -86,17 +85,22 @@ class CausalSelfAttention(nnx.Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"CausalSelfAttention: cache must be a KVCache (init_cache), got "
                             f"{type(cache).__name__}")
-        if self.cp_axis is not None and manual_axis_size(self.cp_axis) is not None:
+        if split_over_axis(self.cp_axis):
             return self._forward(x, None, cache)
         return self._forward_cached(x, cache)
+
+    def _rotated_qkv(self, x, positions):
+        """q [B, T, N, D], k, v [B, T, G, D] of x, q and k rotated at `positions` [T]."""
+        B, T, _ = x.shape
+        heads = lambda y, n: y.reshape(B, T, n, self.head_dim)
+        return (rope(heads(self.q_proj(x), self.num_heads), positions, self.rope_theta),
+                rope(heads(self.k_proj(x), self.num_kv_heads), positions, self.rope_theta),
+                heads(self.v_proj(x), self.num_kv_heads))
 
     def _forward_cached(self, x, cache):
         B, T, _ = x.shape
         pos = cache.length + jnp.arange(T, dtype=jnp.int32)
-        heads = lambda y, n: y.reshape(B, T, n, self.head_dim)
-        q = rope(heads(self.q_proj(x), self.num_heads), pos, self.rope_theta)
-        k = rope(heads(self.k_proj(x), self.num_kv_heads), pos, self.rope_theta)
-        v = heads(self.v_proj(x), self.num_kv_heads)
+        q, k, v = self._rotated_qkv(x, pos)
         at = (0, cache.length, 0, 0)
         k_all = lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
         v_all = lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)
@@ -114,11 +118,7 @@ class CausalSelfAttention(nnx.Module):
         pos = axis_positions(self.cp_layout, self.cp_axis, T)
         seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)
         offset = 0 if cu_seqlens is None else cu_seqlens[seq]
-        q = rope(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim), pos - offset,
-                 self.rope_theta)
-        k = rope(self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim), pos - offset,
-                 self.rope_theta)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self._rotated_qkv(x, pos - offset)
         fused = select.fused_attention_impl(q) if cu_seqlens is None else None
         pieces = None if fused is None or self.cp_axis is None else select.cp_pieces(fused)
         if fused is not None and self.cp_axis is None:

@@ -18,10 +18,15 @@ from jaxcp.vma import manual_axis_size
 BATCH_AXES = ("data",)
 
 
+def split_over_axis(cp_axis: str | None) -> bool:
+    """Whether this call runs inside a shard_map where cp_axis is manual."""
+    return cp_axis is not None and manual_axis_size(cp_axis) is not None
+
+
 def call_with_cp(module: nnx.Module, cp_axis: str | None, x: jax.Array,
                  cu_seqlens: jax.Array | None, body: Callable) -> jax.Array:
     """body(module, x, cu_seqlens) directly, or inside shard_map over the current mesh."""
-    if cp_axis is None or manual_axis_size(cp_axis) is not None:
+    if cp_axis is None or split_over_axis(cp_axis):
         return body(module, x, cu_seqlens)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or cp_axis not in mesh.axis_names:

@@ -33,11 +33,10 @@ from jaxcp.cp.split import check_layout
 from jaxcp.models.cache import DeltaRuleCache
 from jaxcp.models.conv import ShortConvolution
 from jaxcp.models.inputs import check_hidden_states
-from jaxcp.models.enter import call_with_cp
+from jaxcp.models.enter import call_with_cp, split_over_axis
 from jaxcp.models.norm import RMSNorm, RMSNormGated
 from jaxcp.ops import chunk_gated_delta_rule, chunk_kda
 from jaxcp.recurrent import recurrent_gated_delta_rule, recurrent_kda
-from jaxcp.vma import manual_axis_size
 
 # calls with a cache and fewer tokens than this take the recurrent op (the chunk op beyond)
 RECURRENT_MAX_TOKENS = 64
@@ -97,10 +96,6 @@ class _DeltaRuleLayer(nnx.Module):
             jnp.zeros((batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim),
                       jnp.float32))
 
-    def _split_over_axis(self) -> bool:
-        """Whether this call runs inside a shard_map where cp_axis is manual."""
-        return self.cp_axis is not None and manual_axis_size(self.cp_axis) is not None
-
     def _call(self, x, cu_seqlens, cache, forward, name):
         check_hidden_states(x, self.hidden_size, name)
         if cache is None:
@@ -119,7 +114,7 @@ class _DeltaRuleLayer(nnx.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_windows = ()
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d) if self.use_short_conv else ()
-        if convs and windows is not None and not self._split_over_axis():
+        if convs and windows is not None and not split_over_axis(self.cp_axis):
             (q, wq), (k, wk), (v, wv) = (c.extend(y, w) for c, y, w in zip(convs, (q, k, v),
                                                                           windows))
             new_windows = (wq, wk, wv)
@@ -148,22 +143,17 @@ class _DeltaRuleLayer(nnx.Module):
         B, T, _ = x.shape
         chunk, recurrent = ops
         args = (q, k, v, g, beta)
-        if cache is None:
-            o, _ = chunk(*args, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-                         cp_axis=self.cp_axis, cp_layout=self.cp_layout, backend=self.backend,
-                         **chunk_kw, **gate_kw)
-        elif self._split_over_axis():
-            o, state = chunk(*args, initial_state=cache.state, output_final_state=True,
-                             use_qk_l2norm_in_kernel=True, cp_axis=self.cp_axis,
-                             cp_layout=self.cp_layout, backend=self.backend, **chunk_kw,
-                             **gate_kw)
-        elif T < RECURRENT_MAX_TOKENS:
+        # without a cache the layer runs inside shard_map whenever it has a cp_axis
+        split = split_over_axis(self.cp_axis)
+        if cache is not None and not split and T < RECURRENT_MAX_TOKENS:
             o, state = recurrent(*args, initial_state=cache.state,
                                  use_qk_l2norm_in_kernel=True, **gate_kw)
         else:
-            o, state = chunk(*args, initial_state=cache.state, output_final_state=True,
-                             use_qk_l2norm_in_kernel=True, backend=self.backend, **chunk_kw,
-                             **gate_kw)
+            o, state = chunk(*args, cu_seqlens=cu_seqlens,
+                             initial_state=None if cache is None else cache.state,
+                             output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
+                             cp_axis=self.cp_axis if split else None, cp_layout=self.cp_layout,
+                             backend=self.backend, **chunk_kw, **gate_kw)
         if gate is None:
             o = self.o_norm(o)
         else:
