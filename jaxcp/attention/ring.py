@@ -58,7 +58,9 @@ def _ring_pairs(cp_layout: str, rank: jax.Array, src: jax.Array):
 def _prefix(visible, length: int):
     """The prefix length of a part that sees a whole key piece of `length` tokens when
     visible; one key (weighed out) when not."""
-    return jnp.int32(length) if visible is True else jnp.where(visible, length, 1).astype(jnp.int32)
+    if visible is True:
+        return jnp.int32(length)
+    return jnp.where(visible, length, 1).astype(jnp.int32)
 
 
 def _add_part(acc, part, visible):
