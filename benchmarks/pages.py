@@ -4,7 +4,7 @@
     python -m benchmarks.pages docs/benchmarks/kernels.json     # one of them
 
 NAME.json holds a benchmark's records, NAME.notes.md the hand-written rest of the page. The
-kind of a record file, and so its renderer, is its name: "kernels", "cp", "train",
+kind of a record file, and so its renderer, is its name: "kernels", "cp", "train", "decode",
 "gpu_checks" or "memory", alone or followed by "_" and a suffix (cp_w2.json). Kinds with a
 plot also get NAME.png (matplotlib, imported only for it). tests/test_benchmark_docs.py
 fails when a committed .md differs from what this writes.
@@ -17,10 +17,11 @@ import json
 import os
 import sys
 
-from benchmarks.bench import cp, kernels, memory, train
+from benchmarks.bench import cp, decode, kernels, memory, train
 from benchmarks.check import kernels as checks
 
 RENDERERS = {"kernels": kernels.markdown, "cp": cp.markdown, "train": train.markdown,
+             "decode": decode.markdown,
              "gpu_checks": checks.markdown, "memory": memory.markdown}
 PLOTS = {"kernels": "kernels_png", "cp": "cp_png", "memory": "memory_png"}
 COMMAND = "python -m benchmarks.pages"
