@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import sys
 from functools import partial
 
@@ -157,10 +158,10 @@ def _fla_head_all_to_all(fla_op, backward: bool, local, cu) -> None:
             _heads_to_seq(x.grad)
 
 
-def _fla_op_records(op: str, T: int, H: int, D: int, iters: int, names,
-                    cp_layouts) -> list[dict]:
-    """This rank's share of FLA's records of one op: per sequence layout and pass, no CP, KCP
-    per CP layout that FLA takes, and the head all-to-all (when W divides H)."""
+def _fla_op_records(op: str, T: int, H: int, D: int, iters: int, names, cp_layouts):
+    """This rank's share of FLA's records of one op, yielded as measured: per sequence layout
+    and pass, no CP, KCP per CP layout that FLA takes, and the head all-to-all (when W
+    divides H)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -173,7 +174,6 @@ def _fla_op_records(op: str, T: int, H: int, D: int, iters: int, names,
     local = {layout: tuple(_local_tokens(x, layout) for x in full)
              for layout in {*cp_layouts, "contiguous"}}
     row = dict(op=op, T=T, H=H, K=D, V=D, device=torch.cuda.get_device_name(), impl="fla")
-    records = []
     for cu_list in layouts(T, names):
         cu = torch.tensor(cu_list, device="cuda", dtype=torch.long)
         contexts = {layout: _kcp_context(cu, layout) for layout in cp_layouts}
@@ -188,24 +188,24 @@ def _fla_op_records(op: str, T: int, H: int, D: int, iters: int, names,
                 calls.append(("fla-all_to_all", "contiguous", W,
                               partial(_fla_head_all_to_all, fla_op, backward, local["contiguous"],
                                       cu)))
-            records += [dict(row, strategy=strategy, layout=layout, W=w, nseq=len(cu_list) - 1,
-                             **{"pass": passes}, ms=_fla_ms(fn, iters))
-                        for strategy, layout, w, fn in calls]
-    return records
+            for strategy, layout, w, fn in calls:
+                yield dict(row, strategy=strategy, layout=layout, W=w, nseq=len(cu_list) - 1,
+                           **{"pass": passes}, ms=_fla_ms(fn, iters))
 
 
 def fla_worker(ops, T: int, H: int, D: int, iters: int, names=LAYOUTS,
                cp_layouts=("contiguous",)) -> None:
     """One torchrun rank: FLA's records of every op (``_fla_op_records``); rank 0 prints
-    them as one JSON list."""
+    each as a JSON line as soon as it is measured."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(dist.get_rank())
-    records = [r for op in ops for r in _fla_op_records(op, T, H, D, iters, names, cp_layouts)]
-    if dist.get_rank() == 0:
-        print(json.dumps(records), flush=True)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    for op in ops:
+        for record in _fla_op_records(op, T, H, D, iters, names, cp_layouts):
+            if dist.get_rank() == 0:
+                print(json.dumps(record), flush=True)
     dist.destroy_process_group()
 
 
@@ -433,18 +433,29 @@ def comma_list(ap: argparse.ArgumentParser, flag: str, value: str, allowed) -> t
 
 
 def run_fla(args, W: int) -> list[dict]:
-    """FLA's records from W ranks under torchrun (``fla_worker``), or none (with a note)
-    when the child fails."""
-    child = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                            f"--nproc_per_node={W}", "-m", __spec__.name, "--fla-worker",
-                            "--T", str(args.T), "--H", str(args.H), "--D", str(args.D),
-                            "--iters", str(args.iters), "--layouts", args.layouts,
-                            "--ops", args.ops, "--cp-layouts", args.cp_layouts],
-                           stdout=subprocess.PIPE, text=True)
+    """FLA's records from W ranks under torchrun (``fla_worker``): those measured within
+    --fla-timeout seconds (the child is stopped then, with a note), each printed as it
+    comes."""
+    child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                              f"--nproc_per_node={W}", "-m", __spec__.name, "--fla-worker",
+                              "--T", str(args.T), "--H", str(args.H), "--D", str(args.D),
+                              "--iters", str(args.iters), "--layouts", args.layouts,
+                              "--ops", args.ops, "--cp-layouts", args.cp_layouts],
+                             stdout=subprocess.PIPE, text=True)
+    stop = threading.Timer(args.fla_timeout, child.terminate)
+    stop.start()
+    records = []
+    for line in child.stdout:
+        if line.startswith("{"):
+            records.append(json.loads(line))
+            print(f"FLA {records[-1]['op']} {records[-1]['strategy']} {records[-1]['layout']} "
+                  f"nseq {records[-1]['nseq']} {records[-1]['pass']}: {records[-1]['ms']:.3f} ms",
+                  flush=True)
+    child.wait()
+    stop.cancel()
     if child.returncode != 0:
-        print(f"FLA not run (exit {child.returncode})", flush=True)
-        return []
-    return json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"FLA stopped (exit {child.returncode}) after {len(records)} records", flush=True)
+    return records
 
 
 def main(argv=None) -> int:
@@ -466,11 +477,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cp-layouts", default="contiguous",
                     help="comma list of " + ", ".join(CP_LAYOUTS) + " (allgather and FLA's KCP)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-timeout", type=int, default=600,
+                    help="seconds FLA's records may take (what was measured is kept)")
     ap.add_argument("--compile-threads", type=int, default=8,
                     help="programs compiled at once (1: one at a time)")
     ap.add_argument("--fla-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for flag in ("T", "H", "D", "iters", "compile_threads"):
+    for flag in ("T", "H", "D", "iters", "compile_threads", "fla_timeout"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be positive")
     if args.devices is not None and args.devices < 1:
