@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcp.checks import check_backend, check_gate_activation, check_operands
+from jaxcp.checks import check_backend, check_gate_activation, check_operands, gpu_present
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.triton.common.recurrent import recurrent_step
@@ -44,11 +44,27 @@ def _check(gate: Gate, q, k, v, g, beta, scale, initial_state, state_indices) ->
                              f"without state_indices, got N = {initial_state.shape[0]}")
 
 
+def kernel_fits(K: int, V: int) -> bool:
+    """Whether the fused kernel takes head dims K and V: powers of two from 16 (its tiles)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (K, V))
+
+
+def _pick_backend(backend: str | None, K: int, V: int) -> str:
+    """None: the fused kernel on a GPU where it takes the head dims, else the recurrence."""
+    if backend is None:
+        return "pallas" if gpu_present() and kernel_fits(K, V) else "xla"
+    if backend in ("pallas", "interpret") and not kernel_fits(K, V):
+        raise ValueError(f"backend={backend!r}: the fused kernel takes head dims that are "
+                         f"powers of two from 16, got K = {K}, V = {V}; use backend='xla'")
+    return backend
+
+
 def _recurrent_op(q, k, v, g, beta, *, scale, initial_state, state_indices,
                   use_qk_l2norm_in_kernel, backend):
     """The steps on every batch row from its state (module docstring); g is the decay."""
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    backend = _pick_backend(backend, K, V)
     if backend in ("pallas", "interpret"):
         if use_qk_l2norm_in_kernel:
             q, k = l2_normalize(q), l2_normalize(k)
@@ -90,9 +106,10 @@ _DOC = """{title}
       initial_state: [N, HV, K, V] (float32 is kept); None: every row starts from zero.
       state_indices: int [B], the table row of each batch row (-1: start from zero, keep
         nothing); None: row b reads row b (N == B).
-      backend: "xla" (None, the token recurrence), "pallas" (one fused kernel per call on a
-        GPU, each state read once and written back in place; not yet timed) or "interpret"
-        (that kernel interpreted, any device).
+      backend: None (the default: "pallas" on a GPU where K and V are powers of two from 16,
+        else "xla"), "xla" (the token recurrence), "pallas" (one fused kernel per call on a
+        GPU, each state read once and written back in place) or "interpret" (that kernel
+        interpreted, any device).
 
     Returns o [B, T, HV, V] in v's dtype and the table [N, HV, K, V] float32 with the rows
     read replaced by the state after the last token ([B, HV, K, V] without a table).
@@ -116,7 +133,7 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     return _recurrent_op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          state_indices=state_indices,
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         backend=backend or "xla")
+                         backend=backend)
 
 
 def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
@@ -136,7 +153,7 @@ def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     return _recurrent_op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          state_indices=state_indices,
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         backend=backend or "xla")
+                         backend=backend)
 
 
 recurrent_gated_delta_rule.__doc__ = _DOC.format(

@@ -116,3 +116,13 @@ def test_recurrent_pallas_needs_a_gpu():
     q, k, v, g, beta, _ = _inputs("gdn")
     with pytest.raises(ValueError, match="interpret"):
         jaxcp.recurrent_gated_delta_rule(q, k, v, g, beta, backend="pallas")
+
+
+def test_recurrent_fused_kernel_takes_power_of_two_head_dims():
+    """backend="xla" takes any head dims; the fused kernel names what it takes."""
+    q, k, v, g, beta, _ = _inputs("gdn")
+    v = jnp.concatenate([v, v[..., :8]], axis=-1)
+    o, state = jaxcp.recurrent_gated_delta_rule(q, k, v, g, beta, backend="xla")
+    chex.assert_shape((o, state), (v.shape, (q.shape[0], HV, K, V + 8)))
+    with pytest.raises(ValueError, match="powers of two"):
+        jaxcp.recurrent_gated_delta_rule(q, k, v, g, beta, backend="interpret")

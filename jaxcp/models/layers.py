@@ -147,7 +147,7 @@ class _DeltaRuleLayer(nnx.Module):
         split = split_over_axis(self.cp_axis)
         if cache is not None and not split and T < RECURRENT_MAX_TOKENS:
             o, state = recurrent(*args, initial_state=cache.state,
-                                 use_qk_l2norm_in_kernel=True, **gate_kw)
+                                 use_qk_l2norm_in_kernel=True, backend=self.backend, **gate_kw)
         else:
             o, state = chunk(*args, cu_seqlens=cu_seqlens,
                              initial_state=None if cache is None else cache.state,
