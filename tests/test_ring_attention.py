@@ -32,7 +32,7 @@ def _ring(W, cp_layout):
 
 @pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("W,N,G", [(4, 4, 2), (2, 2, 1), (1, 2, 2)])
-def test_ring_equalswhole_causal_attention_attention(cp_layout, W, N, G):
+def test_ring_equals_whole_causal_attention(cp_layout, W, N, G):
     q, k, v, wo = attention_inputs(8 * W, N, G, 16)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * wo)
     ring = _ring(W, cp_layout)
