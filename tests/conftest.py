@@ -3,8 +3,8 @@
 Compilation, not execution, is most of the suite's time. So XLA compiles for the CPU at
 backend optimisation level 1 (the default, 2, compiles about a third slower), and the
 pytest process, its xdist workers and the train.py runs the tests start share one
-persistent compilation cache for the run: a program that several tests (or processes)
-compile is compiled once."""
+persistent compilation cache for the run, every program in it however quick its compile:
+a program that several tests (or processes) compile is compiled once."""
 import atexit
 import os
 import shutil
@@ -17,6 +17,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcp-tests-jit-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import chex  # noqa: E402
 
