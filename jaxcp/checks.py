@@ -16,7 +16,7 @@ from jax.experimental import checkify
 
 from jaxcp.cp.split import check_layout
 from jaxcp.gate import Gate
-from jaxcp.stages import BACKENDS as STAGE_BACKENDS
+from jaxcp.stages import BACKENDS as STAGE_BACKENDS, gpu_present
 from jaxcp.vma import manual_axis_size
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -45,10 +45,6 @@ def check_traced_inputs():
         yield
     finally:
         _TRACED.on = before
-
-
-def gpu_present() -> bool:
-    return jax.default_backend() == "gpu"
 
 
 def _check_traced_cu_seqlens(cu_seqlens, total: int) -> None:

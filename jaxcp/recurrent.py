@@ -15,11 +15,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcp.checks import check_backend, check_gate_activation, check_operands, gpu_present
+from jaxcp.checks import check_backend, check_gate_activation, check_operands
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.triton.common.recurrent import recurrent_step
 from jaxcp.reference import token_recurrence
+from jaxcp.stages import resolve_backend
 
 
 def _check(gate: Gate, q, k, v, g, beta, scale, initial_state, state_indices) -> None:
@@ -52,7 +53,7 @@ def kernel_fits(K: int, V: int) -> bool:
 def _pick_backend(backend: str | None, K: int, V: int) -> str:
     """None: the fused kernel on a GPU where it takes the head dims, else the recurrence."""
     if backend is None:
-        return "pallas" if gpu_present() and kernel_fits(K, V) else "xla"
+        return resolve_backend(None) if kernel_fits(K, V) else "xla"
     if backend in ("pallas", "interpret") and not kernel_fits(K, V):
         raise ValueError(f"backend={backend!r}: the fused kernel takes head dims that are "
                          f"powers of two from 16, got K = {K}, V = {V}; use backend='xla'")

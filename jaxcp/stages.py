@@ -256,11 +256,15 @@ IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
 )}
 
 
+def gpu_present() -> bool:
+    return jax.default_backend() == "gpu"
+
+
 def resolve_backend(backend: str | None) -> str:
     """None picks "pallas" when JAX's default backend is a GPU, else "xla"."""
     if backend is not None:
         return backend
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "pallas" if gpu_present() else "xla"
 
 
 def implementation(backend: str, gate: Gate) -> Implementation:

@@ -31,8 +31,8 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import sys
+import threading
 from functools import partial
 
 from benchmarks.records import saver
@@ -447,10 +447,10 @@ def run_fla(args, W: int) -> list[dict]:
     records = []
     for line in child.stdout:
         if line.startswith("{"):
-            records.append(json.loads(line))
-            print(f"FLA {records[-1]['op']} {records[-1]['strategy']} {records[-1]['layout']} "
-                  f"nseq {records[-1]['nseq']} {records[-1]['pass']}: {records[-1]['ms']:.3f} ms",
-                  flush=True)
+            r = json.loads(line)
+            records.append(r)
+            print(f"FLA {r['op']} {r['strategy']} {r['layout']} nseq {r['nseq']} {r['pass']}: "
+                  f"{r['ms']:.3f} ms", flush=True)
     child.wait()
     stop.cancel()
     if child.returncode != 0:

@@ -26,6 +26,7 @@ import json
 import subprocess
 import sys
 
+from benchmarks.bench.cp import comma_list
 from benchmarks.bench.kernels import PEAKS
 from benchmarks.records import saver
 from jaxcp.cli import OneLineParser
@@ -119,7 +120,7 @@ def time_fla(op: str, B: int, steps: int, rounds: int) -> float:
 def fla_records(ops, batches, steps, rounds) -> list[dict]:
     """FLA's records, from a child process (``--child``); [] with a note where FLA is missing."""
     child = subprocess.run([sys.executable, "-m", __spec__.name, "--child", "--ops",
-                            ",".join(ops), "--batches", ",".join(map(str, batches)),
+                            ",".join(ops), "--batches", *map(str, batches),
                             "--steps", str(steps), "--rounds", str(rounds)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if child.returncode != 0:
@@ -172,47 +173,35 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _list(kind):
-    def parse(text: str):
-        try:
-            values = [kind(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a comma-separated list: {text!r}")
-        return values
-    return parse
-
-
 def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m benchmarks.bench.decode",
                        description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--ops", type=_list(str), default=["gdn", "kda"])
-    ap.add_argument("--batches", type=_list(int), default=list(BATCHES))
-    ap.add_argument("--impls", type=_list(str), default=list(IMPLS))
+    ap.add_argument("--ops", default="gdn,kda", help="comma list of gdn, kda")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ", ".join(IMPLS))
     ap.add_argument("--steps", type=int, default=100, help="steps queued per round")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if not set(args.ops) <= {"gdn", "kda"}:
-        ap.error(f"--ops takes gdn and kda, got {','.join(args.ops)}")
-    if not set(args.impls) <= set(IMPLS):
-        ap.error(f"--impls takes {', '.join(IMPLS)}, got {','.join(args.impls)}")
+    ops = comma_list(ap, "--ops", args.ops, ("gdn", "kda"))
+    impls = comma_list(ap, "--impls", args.impls, IMPLS)
     if min(args.batches) < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--batches, --steps and --rounds must be positive")
     if args.child:
-        return fla_child(args.ops, args.batches, args.steps, args.rounds)
+        return fla_child(ops, args.batches, args.steps, args.rounds)
 
     records: list[dict] = []
     save = saver(args.json, records)
-    if "fla" in args.impls:
-        records += fla_records(args.ops, args.batches, args.steps, args.rounds)
+    if "fla" in impls:
+        records += fla_records(ops, args.batches, args.steps, args.rounds)
         save()
     import jax
     device = jax.devices()[0].device_kind
-    for op in args.ops:
+    for op in ops:
         for B in args.batches:
             for impl in ("jaxcp-pallas", "jaxcp-xla"):
-                if impl in args.impls:
+                if impl in impls:
                     us = time_jaxcp(op, B, impl.split("-")[1], args.steps, args.rounds)
                     records.append(dict(op=op, impl=impl, B=B, H=H, K=D, V=D, step_us=us,
                                         floor_us=floor_us(B, device), device=device,
