@@ -91,12 +91,15 @@ def test_state_output(kind, with_init):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cu", [[0, 210], [0, 90, 100, 210]])
-def test_cp_summary(kind, cu):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_cp_summary(kind, cu, one_launch):
     """The middle device of three. Inside one sequence: a non-zero transition M. With
     sequences starting at tokens 90 and 100 of this device's [70, 140): M is zero, and S_ext
-    comes from the chunks after the last start alone (the kernels skip the others)."""
+    comes from the chunks after the last start alone (the kernels skip the others). S_ext
+    and M in one launch or in two."""
     terms, layout, init = chunk_terms(kind, cu, 70, device=1, world=3, gate_scale=0.02)
-    got = pstate.cp_summary(terms, layout, init, gate=GATES[kind], interpret=True)
+    got = pstate.cp_summary(terms, layout, init, gate=GATES[kind], interpret=True,
+                            one_launch=one_launch)
     want = xla.cp_summary(terms, layout, init)
     assert float(jnp.abs(got[0]).max()) > 0.01
     assert_rel(got[0], want[0], 1e-5, "S_ext")
@@ -106,6 +109,32 @@ def test_cp_summary(kind, cu):
     else:
         assert float(jnp.abs(want[1]).max()) == 0.0
         assert float(jnp.abs(got[1]).max()) == 0.0
+
+
+def test_cp_summary_one_launch_where_the_programs_fill_the_gpu_once():
+    """S_ext and M share a launch where their programs fit the GPU once and the launch
+    keeps both halves' products (float16 tiles: yes; fp32 tiles at single TF32, KDA's bf16
+    inputs without unit keys: M needs 3xTF32, so no)."""
+    fits = pstate._one_launch_fits
+    bf16 = KernelPrecision(dot_dtype=jnp.bfloat16, tile_dtype=jnp.bfloat16)
+    kda = KernelPrecision(tile_dtype=jnp.float16, products=Fp32Products.TF32)
+    assert fits(bf16, 128) and fits(kda, 64) and fits(KernelPrecision(), 128)
+    assert not fits(bf16, 256)
+    assert not fits(KernelPrecision(products=Fp32Products.TF32), 64)
+
+
+def test_split_per_program_is_the_unsplit_product_where_false():
+    """``products.dot`` with a traced split (one launch, two kinds of programs): where false
+    it is the unsplit product (the state rounded to bf16), where true the split one."""
+    from jaxcp.pallas.triton.common.products import dot
+    rng = np.random.default_rng(5)
+    tile = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    state = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+    for flag in (False, True):
+        got = jax.jit(lambda s, f: dot(tile, s, interpret=True, split=f))(state, jnp.bool_(flag))
+        np.testing.assert_array_equal(got, dot(tile, state, interpret=True, split=flag))
+    assert float(jnp.abs(dot(tile, state, interpret=True, split=True)
+                         - dot(tile, state, interpret=True)).max()) > 0
 
 
 def test_unused_summaries_are_zero():

@@ -65,25 +65,51 @@ def bf16_dot(a, b):
                    preferred_element_type=jnp.float32)
 
 
-def dot(a, b, interpret: bool, split: bool = False,
-        products: Fp32Products = Fp32Products.TF32X3):
+def _two_parts(x, split):
+    """x as hi + lo with hi = x rounded to bf16 where split (True, or a traced bool scalar
+    that differs between programs), else hi = x and lo = 0: a product by hi then rounds x
+    as the unsplit product does, and the one by lo adds an exact zero."""
+    rounded = x.astype(jnp.bfloat16).astype(jnp.float32)
+    if split is True:
+        return rounded, x - rounded
+    hi = jnp.where(split, rounded, x)
+    return hi, jnp.where(split, x - hi, 0.0)
+
+
+def _split_dot(a, b, split, product, tile_dtype):
+    """a @ b as two products of the fp32 operand's ``_two_parts`` with the other operand,
+    a tile taken as tile_dtype (exact in the product's inputs)."""
+    if a.dtype == jnp.float32:
+        hi, lo = _two_parts(a, split)
+        b = b.astype(tile_dtype)
+        return product(hi, b) + product(lo, b)
+    hi, lo = _two_parts(b, split)
+    a = a.astype(tile_dtype)
+    return product(a, hi) + product(a, lo)
+
+
+def dot(a, b, interpret: bool, split=False, products: Fp32Products = Fp32Products.TF32X3):
     """a @ b with fp32 accumulation. fp32 x fp32 runs at ``fp32_precision`` (`products`).
     An fp32 operand meeting a bf16 tile is rounded to bf16, or with split taken as two bf16
     parts x = hi + lo (two bf16 products, x kept to ~2^-16 relative; 3xTF32 would cost
-    three TF32 products, each at half the bf16 rate). A float16 tile meets an fp32 operand
-    as fp32 (exact): float16 holds the 10-bit mantissa of a TF32 operand."""
+    three TF32 products, each at half the bf16 rate). A float16 tile (bf16 inputs: TF32
+    `products`) meets an fp32 operand as fp32, exact: float16 holds the 10-bit mantissa of
+    a TF32 operand; with split, on the GPU, as two TF32 products of the operand's parts,
+    ~2^-20 relative, where 3xTF32 would spend a third product on the tile's zero low part.
+    split may be a traced bool scalar (it differs between the programs of
+    ``state.cp_summary``): where false, the result is the unsplit product's."""
     if jnp.float16 in (a.dtype, b.dtype) and jnp.float32 in (a.dtype, b.dtype):
+        if split is not False and not interpret:
+            tf32 = partial(jnp.dot, preferred_element_type=jnp.float32,
+                           precision=Fp32Products.TF32.value)
+            return _split_dot(a, b, split, tf32, jnp.float32)
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if a.dtype == b.dtype:
         precision = fp32_precision(interpret, products) if a.dtype == jnp.float32 else None
         return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
-    if not split:
+    if split is False:
         return bf16_dot(a, b)
-    if a.dtype == jnp.float32:
-        hi = a.astype(jnp.bfloat16)
-        return bf16_dot(hi, b) + bf16_dot(a - hi.astype(jnp.float32), b)
-    hi = b.astype(jnp.bfloat16)
-    return bf16_dot(a, hi) + bf16_dot(a, b - hi.astype(jnp.float32))
+    return _split_dot(a, b, split, bf16_dot, jnp.bfloat16)
 
 
 class Dots(NamedTuple):

@@ -22,8 +22,8 @@ kd^T v_new = k^T (diag(k_rows) v_new), qg S = diag(q_rows) (q S), kd X = diag(k_
 and qg^T do = q^T (diag(q_rows) do): the row factors scale [C, BV] tiles.
 
 Columns of the state are independent in both directions, so the BV blocks never talk.
-The CP summary runs the forward twice: from zero with u (S_ext), and from the identity with
-u = 0 (the transition M, K columns).
+The CP summary runs the forward twice, in one launch (columns [S_ext | M]) or two: from zero
+with u (S_ext), and from the identity with u = 0 (the transition M, K columns).
 
 A sequence start resets the state, so what leaves the last chunk depends only on the chunks
 from the last start on, and what enters chunk 0 (backward) only on the chunks before the
@@ -34,6 +34,7 @@ where any sequence starts.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -46,8 +47,8 @@ from jaxcp.gate import Gate
 from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import ChunkRows, has_table, loop_rows, slab_spec
-from jaxcp.pallas.triton.common.launch import StateBlocks
-from jaxcp.pallas.triton.common.products import KernelPrecision, dot
+from jaxcp.pallas.triton.common.launch import FULL_GRID, StateBlocks
+from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision, dot
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import vary_like
 
@@ -212,22 +213,30 @@ _FwdRefs = refs_type("_FwdRefs", "w kd decay starts seq carry last",
                       "token_start token_count k_rows u qg attn ends q_rows init span finals_zeros h v_new o finals")
 
 
-def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, products):
+def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, products,
+                transition_from=None):
+    """transition_from: the programs from this column block on run the transition M (u = 0,
+    no initial states: their columns of carry are the identity's), and only they take
+    split_state."""
     r = named(_FwdRefs, names, refs)
+    transition = (False if transition_from is None
+                  else pl.program_id(2) >= transition_from)
+    if transition_from is not None and split_state:
+        split_state = transition          # the transition's programs only
     mul = lambda a, b: dot(a, b, interpret=interpret, split=split_state, products=products)
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
     def body(i, state):
         if r.init is not None:
-            fresh = r.init[r.seq[i]]
+            fresh = jnp.where(transition, 0.0, r.init[r.seq[i]])
         else:
             fresh = jnp.zeros_like(state)
         state = jnp.where(r.starts[i] != 0, fresh, state)
         if r.h is not None:
             r.h[i] = state.astype(r.h.dtype)
         w_s = mul(r.w[i], state)
-        v_new = r.u[i] - w_s if r.u is not None else -w_s
+        v_new = -w_s if r.u is None else jnp.where(transition, -w_s, r.u[i] - w_s)
         if r.v_new is not None:
             r.v_new[i] = v_new.astype(r.v_new.dtype)
         if r.o is not None:
@@ -355,28 +364,74 @@ def state_last(terms, layout, init, h0, *, gate: Gate, unused=None, token_major=
                         span=span, blocks=blocks, name="state_last")["last"]
 
 
+def _one_launch_fits(precision: KernelPrecision, programs: int) -> bool:
+    """Whether ``cp_summary`` runs S_ext and M in one launch: where their programs together
+    fill the GPU at most once (more would queue behind each other, measured slower:
+    docs/benchmarks/cp_w4.md), and both halves keep their products in it: bf16 or float16
+    tiles (M's two parts, S_ext's one), or fp32 ones at 3xTF32 for both."""
+    same_products = (precision.tile_dtype != jnp.float32
+                     or precision.products is Fp32Products.TF32X3)
+    return same_products and programs <= FULL_GRID
+
+
 def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=False,
                interpret=False, precision: KernelPrecision = KernelPrecision(),
-               blocks: StateBlocks | None = None):
+               blocks: StateBlocks | None = None, one_launch: bool | None = None):
     """Twin of xla.state.cp_summary: (S_ext [B, HV, K, V], M [B, HV, K, K]). S_ext takes
     precision (``state_output``); M, which chains the states of all devices before, stays
-    fp32-accurate: the tiles in precision.dot_dtype, bf16 ones meeting it (and v_new) as
-    two bf16 parts (``products.dot``), fp32 ones at 3xTF32.
+    fp32-accurate: bf16 tiles meet it (and v_new) as two bf16 parts (``products.dot``),
+    float16 ones as two TF32 products, fp32 ones at 3xTF32.
+    one_launch: the state [S_ext | M], K x (V + K), runs from [0 | I] in one launch, its
+    first V columns with u and the initial states, the last K with u = 0, so that the
+    programs of both run side by side; else two launches, S_ext's and M's (M's tiles in
+    precision.dot_dtype). None: one launch where ``_one_launch_fits``.
     unused (bool scalar, the last device's summary): no chunk is run and both are zero."""
-    NT, B, HV, _, K = terms.w.shape
+    NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
-    ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32), gate=gate,
-                     unused=unused, token_major=token_major, interpret=interpret,
-                     precision=precision, blocks=blocks)
+    c = _start(terms, layout, math.gcd(V, K), gate, token_major, precision, blocks,
+               "cp_summary")
+    if one_launch is None:
+        one_launch = _one_launch_fits(precision, B * HV * (V + K) // c.BV)
+    ext_span = _unless_unused(_span_after_last_start(layout), unused, NT)
+    m_span = _unless_unused(_span_of_transition(layout), unused, NT)
+    if not one_launch:
+        ext = _run_forward(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
+                           gate=gate, u_cols=True, store_h=False, interpret=interpret,
+                           precision=precision, token_major=token_major, span=ext_span,
+                           blocks=blocks, name="state_last")["last"]
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
+        m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
+                         token_major=token_major, interpret=interpret,
+                         precision=KernelPrecision(dot_dtype=precision.dot_dtype,
+                                                   tile_dtype=precision.dot_dtype),
+                         split_state=True, span=m_span, blocks=blocks,
+                         name="cp_transition")["last"]
+        return ext, m
+    BV, ins = c.BV, c.ins              # a block of columns lies in S_ext or in M
+    n_ext = V // BV
+    ext_block = lambda j: jnp.minimum(j, n_ext - 1)
+    ins.add("u", pl.BlockSpec((NT, None, None, C, BV),
+                              lambda b, h, j: (0, b, h, 0, ext_block(j))),
+            terms.u.astype(precision.dot_dtype))
+    if init is not None:
+        ins.add("init", pl.BlockSpec((init.shape[0], None, K, BV),
+                                     lambda b, h, j: (0, h, 0, ext_block(j))), init)
+    ins.add("span", pl.BlockSpec((1,), lambda b, h, j: (2 * b + (j >= n_ext).astype(jnp.int32),)),
+            jnp.stack([ext_span, m_span], axis=1).reshape(2 * B))
+    zeros = jnp.zeros((B, HV, K, V), jnp.float32)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
-    m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
-                     token_major=token_major, interpret=interpret,
-                     precision=KernelPrecision(dot_dtype=precision.dot_dtype,
-                                               tile_dtype=precision.dot_dtype),
-                     split_state=True,
-                     span=_unless_unused(_span_of_transition(layout), unused, NT),
-                     blocks=blocks, name="cp_transition")["last"]
-    return ext, m
+    ins.add("carry", c.sp.state, jnp.concatenate([zeros, eye], axis=-1))
+
+    def outs(out, struct):
+        out.add("last", c.sp.state, struct((B, HV, K, V + K), jnp.float32))
+
+    tile_bytes = C * (2 * K * jnp.dtype(precision.tile_dtype).itemsize
+                      + BV * jnp.dtype(precision.dot_dtype).itemsize)
+    last = call(_fwd_kernel, (B, HV, (V + K) // BV), ins, outs, name="cp_summary",
+                params=c.blocks.params(interpret, tile_bytes), nt=NT, gate=gate,
+                split_state=True, token_major=token_major, interpret=interpret,
+                products=precision.products, transition_from=n_ext)[0]["last"]
+    return last[..., :V], last[..., V:]
 
 
 _BwdRefs = refs_type("_BwdRefs", "w kd decay starts seq qg attn do ends carry d_entry",
