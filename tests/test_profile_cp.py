@@ -95,3 +95,31 @@ def test_page_has_the_setting_and_a_section_per_pass(monkeypatch, tmp_path):
     text = out.read_text()
     assert text.startswith("# jaxcp allgather, KDA: device 0 of 2 x ")
     assert "zigzag layout" in text and "## fwd\n" in text and "## fwd+bwd\n" in text
+
+
+def test_overhead_variants_run_and_the_op_is_restored(tmp_path):
+    """benchmarks.profile.cp_overhead on 2 CPU devices: a row per op and pass with the four
+    times and their differences; the substitutions hold only while a variant is traced, so
+    the op afterwards is the shipped one."""
+    import jaxcp.core as core
+    import jaxcp.cp.exchange as exchange
+    from benchmarks.profile import cp_overhead
+
+    shipped = exchange._gather_summaries, core.entry_states, core.exit_cotangents
+    out = tmp_path / "overhead.md"
+    assert cp_overhead.main(["--backend", "xla", "--ops", "gdn", "--passes", "fwd,fwd+bwd",
+                             "--T", "256", "--H", "2", "--D", "16", "--devices", "2",
+                             "--iters", "1", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| gdn |")]
+    assert [row.split(" | ")[1] for row in rows] == ["fwd", "fwd+bwd"]
+    assert all(len(row.split("|")) == 11 for row in rows)
+    assert (exchange._gather_summaries, core.entry_states, core.exit_cotangents) == shipped
+
+
+def test_overhead_flag_errors(capsys):
+    from benchmarks.profile import cp_overhead
+    for flags in (["--ops", "gla"], ["--passes", "bwd"], ["--T", "0"]):
+        with pytest.raises(SystemExit) as e:
+            cp_overhead.parse_args(flags)
+        assert e.value.code == 2
+        assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
