@@ -80,6 +80,30 @@ def test_cp_prefill_fills_one_devices_cache(kind, cp_layout):
                                 rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_cp_prefill_continues_a_cache(kind, cp_layout):
+    """A prompt split over 4 devices continues a cache that one device filled (a first
+    prompt and a decoded token): the output and the new cache are a one-device call's, and
+    the next token decodes alike from either."""
+    W, T0, T = 4, 7, 32
+    plain, split = LAYERS[kind](), LAYERS[kind](cp_axis="seq", cp_layout=cp_layout)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((B, T0 + 1 + T + 1, HIDDEN)),
+                    jnp.float32)
+    first, prompt, nxt = x[:, :T0 + 1], x[:, T0 + 1:T0 + 1 + T], x[:, T0 + 1 + T:]
+    _, cache = _in_calls(lambda a, c: plain(a, cache=c), first,
+                         _init_cache(plain, x.shape[1]), [T0, 1])
+    want_y, want_cache = plain(prompt, cache=cache)
+    body = lambda x, c: split(x, cache=c)
+    y, got_cache = jax.jit(jax.shard_map(body, mesh=mesh_of(W), in_specs=(P(None, "seq"), P()),
+                                         out_specs=(P(None, "seq"), P())))(
+        to_layout(prompt, cp_layout, W), cache)
+    chex.assert_trees_all_close(from_layout(y, cp_layout, W), want_y, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(got_cache, want_cache, rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(plain(nxt, cache=got_cache), plain(nxt, cache=want_cache),
+                                rtol=1e-4, atol=1e-5)
+
+
 def test_layer_cache_errors():
     layer = LAYERS["gdn"]()
     x = jnp.ones((B, 3, HIDDEN))
@@ -87,6 +111,12 @@ def test_layer_cache_errors():
         layer(x, jnp.asarray([0, 3], jnp.int32), cache=layer.init_cache(B))
     with pytest.raises(TypeError, match="DeltaRuleCache"):
         layer(x, cache=(1, 2))
+    window = jnp.zeros((B, layer.q_conv1d.conv_size - 1, layer.q_conv1d.hidden_size))
+    with pytest.raises(ValueError, match="cu_seqlens must be None"):
+        layer.q_conv1d(jnp.ones((1, 3, window.shape[-1])), jnp.asarray([0, 3], jnp.int32),
+                       window=window[:1])
+    with pytest.raises(ValueError, match="window must be"):
+        layer.q_conv1d(jnp.ones((B, 3, window.shape[-1])), window=window[:, :1])
 
 
 def _lm():

@@ -15,19 +15,23 @@ from jax import lax
 from jaxcp.cp.split import axis_pieces, next_piece_shift
 
 
-def previous_tokens(x: jax.Array, width: int, axis: str,
-                    cp_layout: str = "contiguous") -> tuple[jax.Array, ...]:
+def previous_tokens(x: jax.Array, width: int, axis: str, cp_layout: str = "contiguous",
+                    before: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """x [B, T_local, ...] -> one [B, width, ...] window per local piece (``cp.split``): the
-    `width` tokens just before the piece in the sequence (zeros before its start)."""
+    `width` tokens just before the piece in the sequence. before [B, width, ...]: the tokens
+    before the sequence's first piece (a decoding cache's window; None: zeros)."""
     local = axis_pieces(cp_layout, axis, x.shape[1])
     xs = [x[:, p.offset:p.offset + p.length] for p in local]
-    windows = tuple(jnp.zeros((x.shape[0], width) + x.shape[2:], x.dtype) for _ in local)
+    zeros = jnp.zeros((x.shape[0], width) + x.shape[2:], x.dtype)
+    first = lambda p, w: w if before is None else jnp.where(p.index == 0, before, w)
+    windows = tuple(first(p, zeros) for p in local)
     n_pieces = lax.axis_size(axis) * len(local)
     hops = min(n_pieces - 1, -(-width // local[0].length))
     for _ in range(hops):
         tails = tuple(jnp.concatenate([w, xp[:, -width:]], axis=1)[:, -width:]
                       for w, xp in zip(windows, xs))
-        windows = next_piece_shift(cp_layout, axis, tails)
+        windows = tuple(first(p, w) for p, w in
+                        zip(local, next_piece_shift(cp_layout, axis, tails)))
     return windows
 
 

@@ -74,8 +74,9 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None, *,
                  cache: KVCache | None = None):
         """x [B, T, hidden] -> [B, T, hidden]; with a cache (``init_cache``) x continues the
-        sequences it holds, on one device, and the call returns (that, the new cache). The
-        cache must have room: tokens past its max_len are not kept."""
+        sequences it holds (on one device, or split over cp_axis inside shard_map: a
+        prefill), and the call returns (that, the new cache). The cache must have room:
+        tokens past its max_len are not kept."""
         check_hidden_states(x, self.hidden_size, "CausalSelfAttention")
         if cache is None:
             return call_with_cp(self, self.cp_axis, x, cu_seqlens, CausalSelfAttention._forward)
@@ -86,7 +87,9 @@ class CausalSelfAttention(nnx.Module):
             raise TypeError(f"CausalSelfAttention: cache must be a KVCache (init_cache), got "
                             f"{type(cache).__name__}")
         if split_over_axis(self.cp_axis):
-            return self._forward(x, None, cache)
+            # an empty cache takes the layer's CP attention (cuDNN pieces where they run)
+            return lax.cond(cache.length == 0, lambda: self._forward(x, None, cache),
+                            lambda: self._forward_cached(x, cache))
         return self._forward_cached(x, cache)
 
     def _rotated_qkv(self, x, positions):
@@ -98,9 +101,15 @@ class CausalSelfAttention(nnx.Module):
                 heads(self.v_proj(x), self.num_kv_heads))
 
     def _forward_cached(self, x, cache):
+        """x continues the cache's sequences, on one device or, inside shard_map, split over
+        cp_axis (a prefill: each device's queries attend to the cached keys and the whole
+        prompt's, which the new cache holds on every device)."""
         B, T, _ = x.shape
-        pos = cache.length + jnp.arange(T, dtype=jnp.int32)
+        split = split_over_axis(self.cp_axis)
+        pos = cache.length + axis_positions(self.cp_layout, self.cp_axis if split else None, T)
         q, k, v = self._rotated_qkv(x, pos)
+        if split:
+            k, v = (whole_sequence(a, self.cp_layout, self.cp_axis) for a in (k, v))
         at = (0, cache.length, 0, 0)
         k_all = lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
         v_all = lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)
@@ -109,11 +118,11 @@ class CausalSelfAttention(nnx.Module):
         o = blockwise_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), pos,
                                 jnp.zeros_like(pos), k_pos, jnp.zeros_like(k_pos),
                                 block_q=self.block_size, block_k=self.block_size)
-        return self.o_proj(o.reshape(B, T, -1)), KVCache(k_all, v_all, cache.length + T)
+        return self.o_proj(o.reshape(B, T, -1)), KVCache(k_all, v_all, cache.length + k.shape[1])
 
     def _forward(self, x, cu_seqlens, cache=None):
-        """The layer over x; with a cache (inside shard_map: a prefill of the sequence split
-        over cp_axis into an empty cache), also the cache holding the whole sequence's K, V."""
+        """The layer over x; with an empty cache (inside shard_map: a prefill of the sequence
+        split over cp_axis), also the cache holding the whole sequence's K, V."""
         B, T, _ = x.shape
         pos = axis_positions(self.cp_layout, self.cp_axis, T)
         seq = jnp.zeros_like(pos) if cu_seqlens is None else sequence_of(cu_seqlens, pos)

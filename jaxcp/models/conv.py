@@ -38,35 +38,45 @@ class ShortConvolution(nnx.Module):
         self.cp_axis = cp_axis
         self.cp_layout = cp_layout
 
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None) -> jax.Array:
-        """x [B, T, hidden] -> [B, T, hidden]; cu_seqlens: global offsets (B == 1)."""
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array | None = None,
+                 window: jax.Array | None = None) -> jax.Array:
+        """x [B, T, hidden] -> [B, T, hidden]; cu_seqlens: global offsets (B == 1); window
+        [B, conv_size - 1, hidden]: the inputs before the sequence, which x continues (a
+        decoding cache's; None: zeros; not with cu_seqlens)."""
+        return self._convolve(x, cu_seqlens, window, self.cp_axis)
+
+    def extend(self, x: jax.Array, window: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Decoding on one device: x [B, T, hidden] continues a sequence whose last
+        conv_size - 1 inputs are window [B, conv_size - 1, hidden]. Returns the outputs and
+        the window after x."""
+        y = self._convolve(x, None, window, None)
+        return y, jnp.concatenate([window.astype(x.dtype), x], axis=1)[:, x.shape[1]:]
+
+    def _convolve(self, x, cu_seqlens, window, axis):
+        """``__call__`` over the manual mesh axis `axis` (None: on one device)."""
         check_hidden_states(x, self.hidden_size, "ShortConvolution")
         B, T, _ = x.shape
         W = self.conv_size
-        local = axis_pieces(self.cp_layout, self.cp_axis, T)
-        if self.cp_axis is None:
-            halos = (None,)
+        shift = 0
+        if window is not None:
+            if cu_seqlens is not None:
+                raise ValueError("ShortConvolution: a window continues one sequence per batch "
+                                 "row: cu_seqlens must be None")
+            if window.shape != (B, W - 1, self.hidden_size):
+                raise ValueError(f"ShortConvolution: window must be [B, conv_size - 1 = "
+                                 f"{W - 1}, {self.hidden_size}], got {tuple(window.shape)}")
+            window = window.astype(x.dtype)
+            shift = W - 1               # the stream starts with the window: its taps count
+        local = axis_pieces(self.cp_layout, axis, T)
+        if axis is None:
+            halos = (window,)
         else:
-            halos = previous_tokens(x, W - 1, self.cp_axis, self.cp_layout)
+            halos = previous_tokens(x, W - 1, axis, self.cp_layout, before=window)
         weight = self.weight[...].astype(x.dtype)
-        y = jnp.concatenate([self._piece(x[:, p.offset:p.offset + p.length], halo, p.start,
-                                         weight, cu_seqlens)
+        y = jnp.concatenate([self._piece(x[:, p.offset:p.offset + p.length], halo,
+                                         p.start + shift, weight, cu_seqlens)
                              for p, halo in zip(local, halos)], axis=1)
         return jax.nn.silu(y) if self.activation == "silu" else y
-
-    def extend(self, x: jax.Array, window: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Decoding: x [B, T, hidden] continues a sequence whose last conv_size - 1 inputs are
-        window [B, conv_size - 1, hidden]. Returns the outputs and the window after x."""
-        check_hidden_states(x, self.hidden_size, "ShortConvolution")
-        W = self.conv_size
-        if window.shape != (x.shape[0], W - 1, self.hidden_size):
-            raise ValueError(f"ShortConvolution: window must be [B, conv_size - 1 = {W - 1}, "
-                             f"{self.hidden_size}], got {tuple(window.shape)}")
-        window = window.astype(x.dtype)
-        # every tap lands in the window or in x: the piece starts W - 1 tokens into the stream
-        y = self._piece(x, window, W - 1, self.weight[...].astype(x.dtype), None)
-        y = jax.nn.silu(y) if self.activation == "silu" else y
-        return y, jnp.concatenate([window, x], axis=1)[:, x.shape[1]:]
 
     def _piece(self, x, halo, start, weight, cu_seqlens):
         """The convolution of one piece x [B, L, hidden] at global tokens [start, start + L),

@@ -16,9 +16,9 @@ fetch their halo, the delta rule merges state maps across devices); outside one,
 cu_seqlens (global offsets, B == 1) packs sequences. With a cache (``models.cache``,
 ``init_cache``) a call continues the sequences the cache holds and returns the new cache:
 a prompt runs through the chunk op, a few tokens through the recurrent op (decoding, one
-device, no packing). Inside a shard_map where cp_axis is manual, a call with an empty cache
-is a prefill of the sequence split over the axis (the CP op); the cache it returns is the
-same on every device.
+device, no packing). Inside a shard_map where cp_axis is manual, a call with a cache is a
+prefill of the sequence split over the axis (the CP op, from the cache's state and windows);
+the cache it returns is the same on every device.
 """
 from __future__ import annotations
 
@@ -119,13 +119,13 @@ class _DeltaRuleLayer(nnx.Module):
                                                                           windows))
             new_windows = (wq, wk, wv)
         elif convs:
-            if windows is not None:
+            if windows is None:
+                windows = (None,) * 3
+            else:
                 # a prefill split over the axis: the windows are the sequence's last inputs
                 new_windows = tuple(sequence_tail(y, c.conv_size - 1, self.cp_axis, self.cp_layout)
                                     for c, y in zip(convs, (q, k, v)))
-            q = self.q_conv1d(q, cu_seqlens)
-            k = self.k_conv1d(k, cu_seqlens)
-            v = self.v_conv1d(v, cu_seqlens)
+            q, k, v = (c(y, cu_seqlens, window=w) for c, y, w in zip(convs, (q, k, v), windows))
         else:
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
