@@ -107,11 +107,11 @@ def test_overhead_variants_run_and_the_op_is_restored(tmp_path):
 
     shipped = exchange._gather_summaries, core.entry_states, core.exit_cotangents
     out = tmp_path / "overhead.md"
-    assert cp_overhead.main(["--backend", "xla", "--ops", "gdn", "--passes", "fwd,fwd+bwd",
-                             "--T", "256", "--H", "2", "--D", "16", "--devices", "2",
+    assert cp_overhead.main(["--backend", "xla", "--ops", "gdn", "--passes", "fwd",
+                             "--T", "128", "--H", "1", "--D", "16", "--devices", "2",
                              "--iters", "1", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| gdn |")]
-    assert [row.split(" | ")[1] for row in rows] == ["fwd", "fwd+bwd"]
+    assert [row.split(" | ")[1] for row in rows] == ["fwd"]
     assert all(len(row.split("|")) == 11 for row in rows)
     assert (exchange._gather_summaries, core.entry_states, core.exit_cotangents) == shipped
 

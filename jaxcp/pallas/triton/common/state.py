@@ -392,13 +392,11 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
                "cp_summary")
     if one_launch is None:
         one_launch = _one_launch_fits(precision, B * HV * (V + K) // c.BV)
-    ext_span = _unless_unused(_span_after_last_start(layout), unused, NT)
     m_span = _unless_unused(_span_of_transition(layout), unused, NT)
     if not one_launch:
-        ext = _run_forward(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
-                           gate=gate, u_cols=True, store_h=False, interpret=interpret,
-                           precision=precision, token_major=token_major, span=ext_span,
-                           blocks=blocks, name="state_last")["last"]
+        ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
+                         gate=gate, unused=unused, token_major=token_major,
+                         interpret=interpret, precision=precision, blocks=blocks)
         eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
         m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
                          token_major=token_major, interpret=interpret,
@@ -417,7 +415,8 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
         ins.add("init", pl.BlockSpec((init.shape[0], None, K, BV),
                                      lambda b, h, j: (0, h, 0, ext_block(j))), init)
     ins.add("span", pl.BlockSpec((1,), lambda b, h, j: (2 * b + (j >= n_ext).astype(jnp.int32),)),
-            jnp.stack([ext_span, m_span], axis=1).reshape(2 * B))
+            jnp.stack([_unless_unused(_span_after_last_start(layout), unused, NT), m_span],
+                      axis=1).reshape(2 * B))
     zeros = jnp.zeros((B, HV, K, V), jnp.float32)
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     ins.add("carry", c.sp.state, jnp.concatenate([zeros, eye], axis=-1))
