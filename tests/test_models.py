@@ -1,4 +1,5 @@
 """Layers with CP on 4 fake devices == the same layers without CP: outputs, parameter gradients."""
+import chex
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,25 @@ def test_short_conv_halo_zigzag(T_local, cu):
     4 tokens, sequence starts on and inside pieces."""
     compare_cp(lambda ax: ShortConvolution(HIDDEN, 4, "silu", ax, "zigzag", rngs=nnx.Rngs(0)),
                4, 4 * T_local, cu, cp_layout="zigzag")
+
+
+@pytest.mark.parametrize("cp_layout", ["contiguous", "zigzag"])
+def test_short_conv_window_reaches_short_pieces(cp_layout):
+    """A window before the sequence (a decoding cache's) reaches every piece within
+    conv_size - 1 tokens of the sequence's start, pieces of one token (zigzag) and two
+    included: CP equals one device convolving the window followed by x."""
+    W, T = 4, 8
+    make = lambda ax: ShortConvolution(HIDDEN, 4, "silu", ax, cp_layout, rngs=nnx.Rngs(0))
+    plain, split = make(None), make("seq")
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((2, T, HIDDEN)), jnp.float32)
+    window = jnp.asarray(rng.standard_normal((2, 3, HIDDEN)), jnp.float32)
+    want = plain(jnp.concatenate([window, x], axis=1))[:, 3:]
+    y = jax.shard_map(lambda x, w: split(x, window=w), mesh=mesh_of(W),
+                      in_specs=(P(None, "seq"), P()), out_specs=P(None, "seq"))(
+        to_layout(x, cp_layout, W), window)
+    chex.assert_trees_all_close(from_layout(y, cp_layout, W), want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(plain.extend(x, window)[0], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("cu", [None, [0, 5, 30, 31, 48]])
