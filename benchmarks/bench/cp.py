@@ -424,6 +424,24 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_shape_flags(ap: argparse.ArgumentParser) -> None:
+    """--T, --H, --D and --devices, as this benchmark and the CP profiles take them."""
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--devices", type=int, default=None,
+                    help="CP size W (default: all GPUs, or 4 fake CPU devices)")
+
+
+def check_positive(ap: argparse.ArgumentParser, args, flags) -> None:
+    """ap.error for any of `flags` (attribute names) below 1, and for a --devices below 1."""
+    for flag in flags:
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.devices is not None and args.devices < 1:
+        ap.error("--devices must be positive")
+
+
 def comma_list(ap: argparse.ArgumentParser, flag: str, value: str, allowed) -> tuple[str, ...]:
     """The names of a comma-list flag, each one of `allowed` (else ap.error)."""
     names = tuple(value.split(","))
@@ -464,11 +482,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
-    ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--H", type=int, default=64)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--devices", type=int, default=None,
-                    help="CP size W (default: all GPUs, or 4 fake CPU devices)")
+    add_shape_flags(ap)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--backend", default="pallas", choices=["pallas", "xla", "interpret"])
@@ -483,11 +497,7 @@ def main(argv=None) -> int:
                     help="programs compiled at once (1: one at a time)")
     ap.add_argument("--fla-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for flag in ("T", "H", "D", "iters", "compile_threads", "fla_timeout"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be positive")
-    if args.devices is not None and args.devices < 1:
-        ap.error("--devices must be positive")
+    check_positive(ap, args, ("T", "H", "D", "iters", "compile_threads", "fla_timeout"))
     ops = comma_list(ap, "--ops", args.ops, OPS)
     names = comma_list(ap, "--layouts", args.layouts, LAYOUTS)
     cp_layouts = comma_list(ap, "--cp-layouts", args.cp_layouts, CP_LAYOUTS)

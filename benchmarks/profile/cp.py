@@ -139,11 +139,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile.cp",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--op", default="gdn", choices=cp.OPS)
-    ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--H", type=int, default=64)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--devices", type=int, default=None,
-                    help="CP size W (default: all GPUs, or 4 fake CPU devices)")
+    cp.add_shape_flags(ap)
     ap.add_argument("--layout", default="contiguous", choices=cp.CP_LAYOUTS, help="CP layout")
     ap.add_argument("--nseq", type=int, default=1, choices=sorted(SEQUENCES),
                     help="sequences: one, or the packed set of benchmarks.bench.cp")
@@ -151,12 +147,27 @@ def parse_args(argv=None):
     ap.add_argument("--backend", default="pallas", choices=["pallas", "xla", "interpret"])
     ap.add_argument("--out", help="write the markdown here (default: stdout)")
     args = ap.parse_args(argv)
-    for flag in ("T", "H", "D", "calls"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag} must be positive")
-    if args.devices is not None and args.devices < 1:
-        ap.error("--devices must be positive")
+    cp.check_positive(ap, args, ("T", "H", "D", "calls"))
     return ap, args
+
+
+def cp_world(ap, args) -> int:
+    """W: --devices, or every device JAX sees (ap.error when it sees fewer)."""
+    import jax
+
+    W = args.devices or len(jax.devices())
+    if W > len(jax.devices()):
+        ap.error(f"--devices {W}: JAX sees {len(jax.devices())} devices")
+    return W
+
+
+def write_text(text: str, out: str | None) -> None:
+    """text to the file out, or to stdout (out None)."""
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
 
 
 def main(argv=None) -> int:
@@ -165,9 +176,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    W = args.devices or len(jax.devices())
-    if W > len(jax.devices()):
-        ap.error(f"--devices {W}: JAX sees {len(jax.devices())} devices")
+    W = cp_world(ap, args)
     pieces = 2 * W if args.layout == "zigzag" else W
     if args.T % pieces:
         ap.error(f"--T must divide into {pieces} pieces (W = {W}, --layout {args.layout})")
@@ -191,11 +200,7 @@ def main(argv=None) -> int:
          f"{args.backend}.\n"]
         + [markdown(passes, kernels, args.calls, wall)
            for passes, (kernels, wall) in traces.items()])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    else:
-        print(text, end="")
+    write_text(text, args.out)
     return 0
 
 

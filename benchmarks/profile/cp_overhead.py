@@ -26,6 +26,7 @@ import contextlib
 import sys
 
 from benchmarks.bench import cp
+from benchmarks.profile import cp as profile_cp
 
 VARIANTS = ("share", "cp", "no collective", "no exchange")
 
@@ -130,20 +131,12 @@ def parse_args(argv=None):
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--ops", default=",".join(cp.OPS), help="comma list of gdn, kda")
     ap.add_argument("--passes", default=",".join(cp.PASSES), help="comma list of fwd, fwd+bwd")
-    ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--H", type=int, default=64)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--devices", type=int, default=None,
-                    help="CP size W (default: all GPUs, or 4 fake CPU devices)")
+    cp.add_shape_flags(ap)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="pallas", choices=["pallas", "xla", "interpret"])
     ap.add_argument("--out", help="write the markdown here (default: stdout)")
     args = ap.parse_args(argv)
-    for flag in ("T", "H", "D", "iters"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag} must be positive")
-    if args.devices is not None and args.devices < 1:
-        ap.error("--devices must be positive")
+    cp.check_positive(ap, args, ("T", "H", "D", "iters"))
     ops = cp.comma_list(ap, "--ops", args.ops, cp.OPS)
     passes = cp.comma_list(ap, "--passes", args.passes, cp.PASSES)
     return ap, args, ops, passes
@@ -154,20 +147,14 @@ def main(argv=None) -> int:
     cp.host_devices(args.devices)
     import jax
 
-    W = args.devices or len(jax.devices())
-    if W > len(jax.devices()):
-        ap.error(f"--devices {W}: JAX sees {len(jax.devices())} devices")
+    W = profile_cp.cp_world(ap, args)
     if args.T % W:
         ap.error(f"--T must divide into {W} pieces")
     rows = measure(ops, args.T, args.H, args.D, W, passes, args.backend, args.iters)
     text = markdown(rows, f"CP overhead, {W} x {jax.devices()[0].device_kind}: T = {args.T}, "
                           f"H = {args.H}, K = V = {args.D}, bf16, one sequence, backend "
                           f"{args.backend}")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    else:
-        print(text, end="")
+    profile_cp.write_text(text, args.out)
     return 0
 
 
