@@ -393,11 +393,12 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
     if one_launch is None:
         one_launch = _one_launch_fits(precision, B * HV * (V + K) // c.BV)
     m_span = _unless_unused(_span_of_transition(layout), unused, NT)
+    zeros = jnp.zeros((B, HV, K, V), jnp.float32)
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     if not one_launch:
-        ext = state_last(terms, layout, init, jnp.zeros((B, HV, K, V), jnp.float32),
-                         gate=gate, unused=unused, token_major=token_major,
-                         interpret=interpret, precision=precision, blocks=blocks)
-        eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
+        ext = state_last(terms, layout, init, zeros, gate=gate, unused=unused,
+                         token_major=token_major, interpret=interpret, precision=precision,
+                         blocks=blocks)
         m = _run_forward(terms, layout, None, eye, gate=gate, u_cols=False, store_h=False,
                          token_major=token_major, interpret=interpret,
                          precision=KernelPrecision(dot_dtype=precision.dot_dtype,
@@ -417,8 +418,6 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
     ins.add("span", pl.BlockSpec((1,), lambda b, h, j: (2 * b + (j >= n_ext).astype(jnp.int32),)),
             jnp.stack([_unless_unused(_span_after_last_start(layout), unused, NT), m_span],
                       axis=1).reshape(2 * B))
-    zeros = jnp.zeros((B, HV, K, V), jnp.float32)
-    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, HV, K, K))
     ins.add("carry", c.sp.state, jnp.concatenate([zeros, eye], axis=-1))
 
     def outs(out, struct):
