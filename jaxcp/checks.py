@@ -121,7 +121,8 @@ def check_operands(gate: Gate, q, k, v, g, beta, *, scale) -> None:
 
 
 def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqlens, cp_axis,
-                 cp_strategy, chunk_size, backend, cp_layout="contiguous") -> None:
+                 cp_strategy, chunk_size, backend, cp_layout="contiguous",
+                 segments=None) -> None:
     """Validate a call of chunk_gated_delta_rule (Gate.SCALAR) or chunk_kda (Gate.CHANNEL)."""
     check_operands(gate, q, k, v, g, beta, scale=scale)
     B, T, H, K = q.shape
@@ -141,6 +142,7 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
     if cp_axis is not None and cp_layout != "contiguous" and cp_strategy == "relay":
         raise ValueError(f"cp_strategy='relay' hands the state from device to device and takes "
                          f"cp_layout='contiguous' only, got cp_layout={cp_layout!r}")
+    _check_segments(segments, T, cp_axis, cp_strategy, cp_layout, world)
     if cp_axis is not None and cp_strategy == "all_to_all" and H % world:
         raise ValueError(f"cp_strategy='all_to_all' splits heads over cp_axis {cp_axis!r} of size "
                          f"{world}: q/k's H = {H} must be divisible by it")
@@ -176,6 +178,28 @@ def check_inputs(gate: Gate, q, k, v, g, beta, *, scale, initial_state, cu_seqle
             raise ValueError(f"initial_state must have shape {(n_seqs, HV, K, V)} "
                              f"([N, HV, K, V], N = number of sequences), got "
                              f"{tuple(initial_state.shape)}")
+
+
+def _check_segments(segments, T: int, cp_axis, cp_strategy: str, cp_layout: str,
+                    world: int) -> None:
+    """segments: None or a positive int dividing the length of each piece the op runs."""
+    if segments is None:
+        return
+    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) or segments < 1:
+        raise ValueError(f"segments must be a positive int or None, got {segments!r}")
+    if cp_axis is not None and cp_strategy == "relay" and segments > 1:
+        raise ValueError("segments > 1 joins the segments by the merge of "
+                         "cp_strategy='allgather' and does not combine with 'relay'")
+    if cp_axis is None:
+        piece, what = T, "T"
+    elif cp_strategy == "all_to_all":
+        piece, what = T * world, "the whole sequence (T x cp size)"
+    elif cp_layout == "zigzag":
+        piece, what = T // 2, "each zigzag piece (T / 2)"
+    else:
+        piece, what = T, "T"
+    if piece % segments:
+        raise ValueError(f"segments = {segments} must divide the length of {what} = {piece}")
 
 
 def check_gate_activation(gate: Gate, q, v, g, *, use_gate_in_kernel, A_log, dt_bias,

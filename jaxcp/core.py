@@ -9,7 +9,9 @@ layout gives it, and for the Pallas KDA stages g is G, the gate's chunk cumsum
 
 A device's tokens are one piece of the sequence, or two under the zigzag layout
 (``cp.split``); every stage runs per piece, and the cross-device step composes the pieces'
-maps in sequence order.
+maps in sequence order. A piece may run as S segments laid out as batch rows
+(``cp.segments``): the tensors are then [B S, P / S, ...] and the merge composes every
+segment's map, on one device too.
 
 Forward:  intra-chunk terms -> entry state of each piece (CP, ``cp.exchange``: local summary
           (S_ext, M), all-gather, prefix merge; or the relay) -> state recurrence -> output,
@@ -41,11 +43,13 @@ class CoreConfig:
     token-major [B, T, HV, ...] or in chunk layout is the backend's ``Implementation``'s).
     exchange: the cross-device step ("allgather" or "relay" over an axis in a layout,
     ``cp.exchange``); None without CP, and under all_to_all, which wraps the op without CP
-    (``cp.strategies``)."""
+    (``cp.strategies``). segments: each piece runs as this many segments, as batch rows
+    ([B S, P / S, ...], ``cp.segments``) joined by the merge."""
     scale: float
     output_final_state: bool
     options: StageOptions
     exchange: Exchange | None = None
+    segments: int = 1
 
     @property
     def stages(self) -> Stages:
@@ -56,7 +60,7 @@ def _forward(cfg, q, k, v, g, beta, init, layouts, for_backward=False):
     st = cfg.stages
     terms = [st.intra(*x, cfg.scale, lay, with_inverse=for_backward)
              for *x, lay in zip(q, k, v, g, beta, layouts)]
-    s_in, ms = entry_states(cfg.exchange, st, terms, layouts, init)
+    s_in, ms = entry_states(cfg.exchange, st, terms, layouts, init, cfg.segments)
     outs = [st.state_output(t, lay, init, s, cfg.output_final_state)
             for t, lay, s in zip(terms, layouts, s_in)]
     o = tuple(o_p for o_p, _ in outs)
@@ -89,7 +93,8 @@ def _backward(cfg, res, cts):
     st = cfg.stages
     terms = [st.intra_again(*x, cfg.scale, lay, kp)
              for *x, lay, kp in zip(q, k, v, g, beta, layouts, kept)]
-    d_last = exit_cotangents(cfg.exchange, st, terms, layouts, do, d_final, ms)
+    d_last = exit_cotangents(cfg.exchange, st, terms, layouts, do, d_final, ms,
+                             cfg.segments)
     grads, d_init = [], None
     for i, lay in enumerate(layouts):
         # one piece at a time: its chunk states are recomputed only once the previous

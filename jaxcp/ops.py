@@ -10,23 +10,25 @@ from jax import lax
 from jaxcp.checks import check_gate_activation, check_inputs
 from jaxcp.core import CoreConfig, chunk_delta_rule
 from jaxcp.cp.exchange import Exchange
+from jaxcp.cp.segments import (choose_segments, from_rows, rows_from_chunks, rows_to_chunks,
+                                segment_layouts, to_rows)
 from jaxcp.cp.split import axis_pieces
 from jaxcp.cp.strategies import ContextParallel, run_sharded
 from jaxcp.gate import Gate, decay_from_raw
 from jaxcp.l2norm import l2_normalize
-from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
+from jaxcp.layout import num_chunks
 from jaxcp.stages import implementation, resolve_backend, stage_options
 
 
 def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_final_state,
               cu_seqlens, use_qk_l2norm_in_kernel, cp_axis, cp_strategy, cp_layout, chunk_size,
-              backend, gate_bound=None, activation=None):
+              backend, segments, gate_bound=None, activation=None):
     """activation: None (g is the decay), or (A_log, dt_bias, lower_bound) of the gate
     activation that turns the raw g into the decay (``gate.decay_from_raw``), applied by
     the gate stage (``stages.Stages.gate``)."""
     check_inputs(gate, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                  cu_seqlens=cu_seqlens, cp_axis=cp_axis, cp_strategy=cp_strategy,
-                 chunk_size=chunk_size, backend=backend, cp_layout=cp_layout)
+                 chunk_size=chunk_size, backend=backend, cp_layout=cp_layout, segments=segments)
     if cu_seqlens is not None and cu_seqlens.shape[0] == 2:
         cu_seqlens = None        # one sequence, [0, T): the same as B = 1 without cu_seqlens
     cp = None if cp_axis is None else ContextParallel(cp_axis, cp_strategy, cp_layout)
@@ -35,14 +37,14 @@ def _chunk_op(gate: Gate, q, k, v, g, beta, *, scale, initial_state, output_fina
         g, activation = decay_from_raw(gate, g, *activation), None
     local_op = partial(_local_op, gate, scale=scale, output_final_state=output_final_state,
                        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       chunk_size=chunk_size, backend=backend, gate_bound=gate_bound,
-                       activation=activation)
+                       chunk_size=chunk_size, backend=backend, segments=segments,
+                       gate_bound=gate_bound, activation=activation)
     return run_sharded(cp, local_op, q, k, v, g, beta, initial_state)
 
 
 def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | None, *,
               scale, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, chunk_size,
-              backend, gate_bound, activation):
+              backend, segments, gate_bound, activation):
     """The op on the tokens given (this device's pieces of the sequence with exchange, else
     the whole sequence): inputs cast and laid out for the stages, then the core."""
     B, T, H, K = q.shape
@@ -56,12 +58,14 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
         world = lax.axis_size(exchange.axis)
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
-    NT = num_chunks(piece_len, chunk_size, n_seqs)
     backend = resolve_backend(backend)
+    S = choose_segments(segments, backend=backend, batch=B, heads=HV, piece_len=piece_len)
+    segment_len = piece_len // S
+    NT = num_chunks(segment_len, chunk_size, n_seqs)
     impl = implementation(backend, gate)
     opts = stage_options(backend, gate, v.dtype, K, unit_qk=use_qk_l2norm_in_kernel,
-                         chunk_size=chunk_size, gate_bound=gate_bound, tokens=piece_len)
-    cfg = CoreConfig(scale, output_final_state, opts, exchange)
+                         chunk_size=chunk_size, gate_bound=gate_bound, tokens=segment_len)
+    cfg = CoreConfig(scale, output_final_state, opts, exchange, S)
 
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel and not opts.normalize_qk:
@@ -70,24 +74,27 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
             for x in (q, k))
     pieces_in, layouts, unchunks = [], [], []
     for p in local:
-        cut = (lambda x: x) if len(local) == 1 else (lambda x: x[:, p.offset:p.offset + p.length])
-        layout, token_map = build_layout(B, piece_len, chunk_size, cu_seqlens, p.start, T * world)
+        # a piece's tokens as the rows of its segments, [B S, P / S, ...]
+        rows = lambda x, p=p: to_rows(x if len(local) == 1 else x[:, p.offset:p.offset + p.length], S)
+        layout, token_maps = segment_layouts(B, piece_len, S, chunk_size, cu_seqlens, p.start,
+                                             T * world)
         if impl.token_major:
             chunk = unchunk = lambda x: x
         else:
-            chunk = lambda x, tm=token_map: to_chunks(x, tm, NT, chunk_size)
-            unchunk = lambda y, tm=token_map: from_chunks(y, tm, piece_len)
-        g_p = cfg.stages.gate(cut(g), layout, activation)
+            chunk = lambda x, tm=token_maps: rows_to_chunks(x, tm, NT, chunk_size)
+            unchunk = lambda y, tm=token_maps: rows_from_chunks(y, tm, segment_len)
+        g_p = cfg.stages.gate(rows(g), layout, activation)
         if not impl.gate_cumsum:
             g_p = chunk(g_p)
-        v_p = cut(v).astype(impl.v_dtype(opts.dot_dtype))
-        pieces_in.append((chunk(cut(q)), chunk(cut(k)), chunk(v_p), g_p, chunk(f32(cut(beta)))))
+        v_p = rows(v).astype(impl.v_dtype(opts.dot_dtype))
+        pieces_in.append((chunk(rows(q)), chunk(rows(k)), chunk(v_p), g_p, chunk(f32(rows(beta)))))
         layouts.append(layout)
         unchunks.append(unchunk)
     init = None if initial_state is None else f32(initial_state)
     o_pieces, final = chunk_delta_rule(cfg, *(tuple(x) for x in zip(*pieces_in)), init,
                                        tuple(layouts))
-    o = jnp.concatenate([unchunk(o_p) for unchunk, o_p in zip(unchunks, o_pieces)], axis=1)
+    o = jnp.concatenate([from_rows(unchunk(o_p), S) for unchunk, o_p in zip(unchunks, o_pieces)],
+                        axis=1)
     return o.astype(v.dtype), final
 
 
@@ -96,7 +103,7 @@ _DOC = """{title}
     o, final_state = {name}(q, k, v, g, beta, *, scale=None, initial_state=None,
         output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
         cp_axis=None, cp_strategy="allgather", cp_layout="contiguous", chunk_size=64,
-        backend=None)
+        backend=None, segments=None)
 
     Per value head and token t (the state S is [K, V], float32):
         {decay}
@@ -129,6 +136,11 @@ _DOC = """{title}
       chunk_size: tokens per chunk, one of (16, 32, 64, 128).
       backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode) or
         None: "pallas" on a GPU, "xla" elsewhere.
+      segments: run each sequence (under CP, each of the device's pieces) as this many
+        segments in parallel on the device, joined by the same merge as CP's devices: more
+        programs for the state recurrences when B x HV cannot fill the GPU. The length
+        (per piece) must divide by it. None: chosen by shape on the "pallas" backend
+        (``jaxcp.cp.segments.choose_segments``), 1 elsewhere; 1: never split.
 
     Returns:
       o [B, T, HV, V] in v's dtype, and final_state [N, HV, K, V] float32 or None.
@@ -143,15 +155,15 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
                            use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
                            dt_bias: jax.Array | None = None, cp_axis: str | None = None,
                            cp_strategy: str = "allgather", cp_layout: str = "contiguous",
-                           chunk_size: int = 64,
-                           backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+                           chunk_size: int = 64, backend: str | None = None,
+                           segments: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     check_gate_activation(Gate.SCALAR, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias)
     return _chunk_op(Gate.SCALAR, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, cp_layout=cp_layout, chunk_size=chunk_size,
-                     backend=backend,
+                     backend=backend, segments=segments,
                      activation=(A_log, dt_bias, None) if use_gate_in_kernel else None)
 
 
@@ -163,7 +175,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
               safe_gate: bool = False, lower_bound: float | None = None,
               cp_axis: str | None = None, cp_strategy: str = "allgather",
               cp_layout: str = "contiguous", chunk_size: int = 64,
-              backend: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+              backend: str | None = None,
+              segments: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     check_gate_activation(Gate.CHANNEL, q, v, g, use_gate_in_kernel=use_gate_in_kernel,
                           A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
                           lower_bound=lower_bound)
@@ -176,7 +189,7 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cp_axis=cp_axis,
                      cp_strategy=cp_strategy, cp_layout=cp_layout, chunk_size=chunk_size,
-                     backend=backend,
+                     backend=backend, segments=segments,
                      gate_bound=gate_bound, activation=activation)
 
 
