@@ -59,7 +59,8 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
     backend = resolve_backend(backend)
-    S = choose_segments(segments, backend=backend, batch=B, heads=HV, piece_len=piece_len)
+    S = choose_segments(segments, backend=backend, gate=gate, batch=B, heads=HV, k_dim=K,
+                        v_dim=v.shape[3], piece_len=piece_len)
     segment_len = piece_len // S
     NT = num_chunks(segment_len, chunk_size, n_seqs)
     impl = implementation(backend, gate)

@@ -25,16 +25,16 @@ def mesh_of(W):
 
 
 def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=None,
-            tol_single=None, single_device=True, cp_layout="contiguous"):
+            tol_single=None, single_device=True, cp_layout="contiguous", segments=None):
     """CP against the reference and (single_device) the single-device op, to tol_single
-    (default tol)."""
+    (default tol); segments: the CP call's (``cp.segments``)."""
     tol_single = tol if tol_single is None else tol_single
     op, ref = OPS[kind]
     B, T, HV, V = args[2].shape
     wo, wf = cotangents((B, T, HV, V), (args[5].shape))
     kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     cp = cp_call(op, mesh_of(W), "seq", cp_strategy=strategy, check_vma=check_vma,
-                 backend=backend, cp_layout=cp_layout, **kw)
+                 backend=backend, cp_layout=cp_layout, segments=segments, **kw)
     (o_cp, f_cp), g_cp = jax.jit(lambda *a: value_and_grads(cp, a, wo, wf))(*args)
     (o_r, f_r), g_r = jax.jit(lambda *a: value_and_grads(ref, a, wo, wf, **kw))(*args)
     assert_rel(o_cp, o_r, tol, "o: CP vs reference")
@@ -208,21 +208,23 @@ def _sequence(out, grads, s: slice, n: int):
     return (o[:, s], final[n], *(x[:, s] for x in (dq, dk, dv, dg, dbeta)), dh0[n])
 
 
-@pytest.mark.parametrize("kind, strategy, cp_layout, backend", [
+@pytest.mark.parametrize("kind, strategy, cp_layout, backend, segments", [
     (kind, *case) for kind in ("gdn", "kda") for case in (
-        ("allgather", "contiguous", None), ("allgather", "zigzag", None),
-        ("relay", "contiguous", None), ("all_to_all", "contiguous", None),
-        (None, None, None))]
-    + [("kda", "allgather", "zigzag", "interpret")])
-def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend):
+        ("allgather", "contiguous", None, None), ("allgather", "zigzag", None, None),
+        ("relay", "contiguous", None, None), ("all_to_all", "contiguous", None, None),
+        (None, None, None, None), ("allgather", "contiguous", None, 2),
+        (None, None, None, 4))]
+    + [("kda", "allgather", "zigzag", "interpret", None)])
+def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend, segments):
     """A NaN or Inf in one packed sequence reaches no other: B's o, final state and every
     gradient are finite and those of the run without them (a sequence start selects, never
-    multiplies by zero: ``cp.merge``), for both gates, every strategy and one device; the
-    Pallas kernels (KDA's, in interpret mode, with check_vma off as above) once."""
+    multiplies by zero: ``cp.merge``), for both gates, every strategy and one device, with
+    and without segments (``cp.segments``); the Pallas kernels (KDA's, in interpret mode,
+    with check_vma off as above) once."""
     cu = jnp.asarray([0, 30, 100, 160], jnp.int32)
     args = make_inputs(kind, 1, 160, 4, 4, 16, 16, n_states=3, seed=41)
     wo, wf = cotangents(args[2].shape, args[5].shape)
-    kw = dict(backend=backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    kw = dict(backend=backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, segments=segments)
     if strategy is None:         # one device
         run = jax.jit(lambda *a: value_and_grads(OPS[kind][0], a, wo, wf, **kw))
     else:

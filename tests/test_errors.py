@@ -128,7 +128,8 @@ def test_cp_cu_seqlens_end_is_global_length(gdn_args):
 
 
 def test_cp_layout_errors():
-    """An unknown layout, zigzag with an odd T per device, and relay (contiguous only)."""
+    """An unknown layout, zigzag with an odd T per device, relay (contiguous only, one
+    segment) and segments that do not divide a zigzag piece."""
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     q, k, v, g, beta, _ = make_inputs("gdn", 1, 4 * 6, 1, 1, 16, 16)
@@ -147,6 +148,10 @@ def test_cp_layout_errors():
         run(5, cp_layout="zigzag")
     with pytest.raises(ValueError, match="cp_strategy='relay'"):
         run(6, cp_layout="zigzag", cp_strategy="relay")
+    with pytest.raises(ValueError, match="does not combine with 'relay'"):
+        run(6, cp_strategy="relay", segments=2)
+    with pytest.raises(ValueError, match=r"each zigzag piece \(T / 2\) = 3"):
+        run(6, cp_layout="zigzag", segments=2)
 
 
 @pytest.mark.parametrize("make", [

@@ -18,28 +18,35 @@ import jax.numpy as jnp
 
 from jaxcp.layout import ChunkLayout, TokenMap, build_layout, from_chunks, to_chunks
 
-# The fewest tokens a segment keeps: below it the summary pass and the merge cost more than
-# the parallel recurrences save
+from jaxcp.gate import Gate
+
+# The fewest tokens a segment keeps (measured down to 8192: GDN, H200)
 MIN_SEGMENT_TOKENS = 8192
-# Programs (B HV S) at which the state recurrences fill a GPU of 132 SMs
-FILL_PROGRAMS = 64
+# The fewest segments worth a split: the summary pass and the second recurrence cost about
+# what two segments save (GDN, 16 heads, H200: forward 4 % slower at S = 2, 18 % faster at 4)
+MIN_SEGMENTS = 4
 
 
-def choose_segments(segments: int | None, *, backend: str, batch: int, heads: int,
-                    piece_len: int) -> int:
+def choose_segments(segments: int | None, *, backend: str, gate: Gate, batch: int,
+                    heads: int, k_dim: int, v_dim: int, piece_len: int) -> int:
     """S for a piece of piece_len tokens of `batch` rows of `heads` value heads. segments:
-    the caller's (1: no split), or None: on the Pallas backend, the largest power of two that
-    keeps B HV S within FILL_PROGRAMS, segments of MIN_SEGMENT_TOKENS or more, and divides
-    piece_len; 1 elsewhere."""
+    the caller's (1: no split), or None: for GDN on the Pallas backend, the largest power of
+    two S at which the state recurrences' programs (B HV S times the blocks of state
+    columns) fill the GPU at most once, if it is at least MIN_SEGMENTS, divides piece_len
+    and leaves segments of MIN_SEGMENT_TOKENS; 1 otherwise. KDA is not split by default:
+    its transition M costs more than the parallel recurrences save
+    (docs/benchmarks/segments.md)."""
     if segments is not None:
         return segments
-    if backend != "pallas":
+    if backend != "pallas" or gate is not Gate.SCALAR:
         return 1
+    from jaxcp.pallas.triton.common.launch import FULL_GRID, StateBlocks
+    programs = batch * heads * (v_dim // StateBlocks.default(k_dim).cols(v_dim))
     s = 1
-    while (batch * heads * 2 * s <= FILL_PROGRAMS and piece_len % (2 * s) == 0
+    while (programs * 2 * s <= FULL_GRID and piece_len % (2 * s) == 0
            and piece_len // (2 * s) >= MIN_SEGMENT_TOKENS):
         s *= 2
-    return s
+    return s if s >= MIN_SEGMENTS else 1
 
 
 def to_rows(x: jax.Array, segments: int) -> jax.Array:

@@ -1,0 +1,92 @@
+"""A sequence run as segments on one device (``cp.segments``) == the unsplit op == the token
+reference: o, final states and every gradient, both gates, packed sequences across segment
+boundaries, with and without CP."""
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import OPS, assert_rel, cotangents, make_inputs, value_and_grads
+from jaxcp.cp.segments import choose_segments
+from jaxcp.gate import Gate
+from test_cp import GRAD_NAMES, compare
+
+# 192 tokens: a 1-token sequence, a start exactly on the boundary of 4 segments (48, 144),
+# sequences across one and two segment boundaries
+CU = [0, 1, 48, 60, 144, 192]
+
+
+def _split_and_unsplit(kind, args, segments, backend, cu_seqlens=None):
+    """(o, final state) and gradients of the op in `segments` and in one, and of the
+    reference; chunks of 16 tokens."""
+    op, ref = OPS[kind]
+    B, T, HV, V = args[2].shape
+    wo, wf = cotangents((B, T, HV, V), args[5].shape)
+    kw = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    run = lambda f, **k: jax.jit(lambda *a: value_and_grads(f, a, wo, wf, **kw, **k))(*args)
+    split = lambda n: run(op, segments=n, backend=backend, chunk_size=16)
+    return split(segments), split(1), run(ref)
+
+
+def _check(split, unsplit, reference):
+    (o, f), grads = split
+    for name, a, r in zip(("o", "final state") + GRAD_NAMES, (o, f, *grads),
+                          (*reference[0], *reference[1])):
+        assert_rel(a, r, 1e-4, f"{name}: segments vs reference")
+    chex.assert_trees_all_close(split, unsplit, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_segments_varlen(kind, backend):
+    """Packed sequences in 4 segments of 48 tokens (chunks of 16), initial states."""
+    args = make_inputs(kind, 1, 192, 2, 4, 16, 16, n_states=len(CU) - 1, seed=3)
+    _check(*_split_and_unsplit(kind, args, 4, backend, jnp.asarray(CU, jnp.int32)))
+
+
+@pytest.mark.parametrize("kind, backend", [("gdn", "interpret"), ("gdn", "xla"),
+                                           ("kda", "xla")])
+def test_segments_batch_rows(kind, backend):
+    """B = 2 sequences in 3 segments of 50 tokens each: partial chunks in every row (the
+    Pallas kernels, which both gates share for the rows, once)."""
+    args = make_inputs(kind, 2, 150, 1, 2, 16, 16, n_states=2, seed=4)
+    _check(*_split_and_unsplit(kind, args, 3, backend))
+
+
+@pytest.mark.parametrize("kind, strategy, cp_layout, backend", [
+    (kind, *case) for kind in ("gdn", "kda") for case in (
+        ("allgather", "contiguous", None), ("allgather", "zigzag", None),
+        ("all_to_all", "contiguous", None))] + [("gdn", "allgather", "zigzag", "interpret")])
+def test_segments_under_cp(kind, strategy, cp_layout, backend):
+    """Each device's pieces in 2 segments, 4 devices: the merge composes the segments of
+    every device in sequence order (``cp.exchange``)."""
+    cu = [0, 1, 20, 45, 140, 141, 160]
+    args = make_inputs(kind, 1, 160, 4 if strategy == "all_to_all" else 2, 4, 16, 16,
+                       n_states=len(cu) - 1, seed=5)
+    compare(kind, 4, strategy, args, jnp.asarray(cu, jnp.int32), cp_layout=cp_layout,
+            backend=backend, check_vma=backend is None, segments=2,
+            single_device=backend is None)
+
+
+@pytest.mark.parametrize("segments, match", [
+    (0, "positive int"), (True, "positive int"), (2.0, "positive int"), (5, "must divide")])
+def test_segments_bad_values(segments, match):
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, 64, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match=match):
+        OPS["gdn"][0](q, k, v, g, beta, segments=segments)
+
+
+def test_segments_by_shape():
+    """GDN on the Pallas backend splits where its state programs fill the GPU less than a
+    quarter; KDA, other backends and short sequences stay whole."""
+    pick = lambda **kw: choose_segments(None, **{
+        **dict(backend="pallas", gate=Gate.SCALAR, batch=1, heads=16, k_dim=128, v_dim=128,
+               piece_len=131072), **kw})
+    assert pick() == 4
+    assert pick(heads=8) == 8
+    assert pick(heads=32) == pick(heads=64) == pick(batch=4, piece_len=8192) == 1
+    assert pick(k_dim=256, v_dim=256) == 1
+    assert pick(piece_len=16384) == 1
+    assert pick(gate=Gate.CHANNEL) == pick(backend="xla") == 1
+    assert choose_segments(3, backend="xla", gate=Gate.CHANNEL, batch=1, heads=1, k_dim=16,
+                           v_dim=16, piece_len=48) == 3
