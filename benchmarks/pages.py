@@ -5,8 +5,8 @@
 
 NAME.json holds a benchmark's records, NAME.notes.md the hand-written rest of the page. The
 kind of a record file, and so its renderer, is its name: "kernels", "cp", "train", "decode",
-"gpu_checks" or "memory", alone or followed by "_" and a suffix (cp_w2.json). Kinds with a
-plot also get NAME.png (matplotlib, imported only for it). tests/test_benchmark_docs.py
+"segments", "gpu_checks" or "memory", alone or followed by "_" and a suffix (cp_w2.json).
+Kinds with a plot also get NAME.png (matplotlib, imported only for it). tests/test_benchmark_docs.py
 fails when a committed .md differs from what this writes.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ import json
 import os
 import sys
 
-from benchmarks.bench import cp, decode, kernels, memory, train
+from benchmarks.bench import cp, decode, kernels, memory, segments, train
 from benchmarks.check import kernels as checks
 
 RENDERERS = {"kernels": kernels.markdown, "cp": cp.markdown, "train": train.markdown,
-             "decode": decode.markdown,
+             "decode": decode.markdown, "segments": segments.markdown,
              "gpu_checks": checks.markdown, "memory": memory.markdown}
 PLOTS = {"kernels": "kernels_png", "cp": "cp_png", "memory": "memory_png"}
 COMMAND = "python -m benchmarks.pages"

@@ -1,0 +1,125 @@
+"""Time the delta-rule ops with each sequence run as segments on one GPU
+(``jaxcp.cp.segments``) beside the unsplit op, in one run.
+
+    python -m benchmarks.bench.segments --json docs/benchmarks/segments.json   # on the GPU
+    python -m benchmarks.pages docs/benchmarks/segments.json                   # segments.md
+
+Inputs as ``kernels`` times them (one sequence, q, k, v bf16, q and k normalised in the op,
+backend "pallas"), per --configs shape T:H:D and op: the forward and the forward+backward for
+every count of --segments (1: the unsplit op) and for the op's own choice ("auto",
+segments=None: ``choose_segments``), compiled side by side and timed in turn
+(``timing.time_side_by_side``).
+
+Each record: op, T, H, K, V, segments (an int or "auto"), chosen (the count the op runs),
+pass, ms, device, jax.
+"""
+from __future__ import annotations
+
+import sys
+
+from benchmarks.bench.cp import comma_list
+from benchmarks.bench.kernels import jaxcp_inputs, jaxcp_op
+from benchmarks.records import saver
+from jaxcp.cli import OneLineParser
+
+CONFIGS = ((131072, 16, 128), (32768, 16, 128), (131072, 8, 128), (32768, 64, 128),
+           (131072, 16, 256))
+SEGMENTS = (1, 2, 4, 8)
+PASSES = ("fwd", "fwd+bwd")
+
+
+def chosen_segments(op: str, T: int, H: int, D: int) -> int:
+    """The count the op picks for this shape (segments=None) on the Pallas backend."""
+    from jaxcp.cp.segments import choose_segments
+    from jaxcp.gate import Gate
+    return choose_segments(None, backend="pallas", gate=Gate.CHANNEL if op == "kda" else
+                           Gate.SCALAR, batch=1, heads=H, k_dim=D, v_dim=D, piece_len=T)
+
+
+def measure(op: str, T: int, H: int, D: int, counts, iters: int) -> list[dict]:
+    import jax
+    from benchmarks.timing import forward_backward, time_side_by_side
+
+    q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
+    fn = jaxcp_op(op)
+    jobs = []         # (segments, pass, jitted function)
+    for segments in [*counts, "auto"]:
+        call = lambda q, k, v, g, beta, s=None if segments == "auto" else segments: fn(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend="pallas", segments=s)[0]
+        jobs += [(segments, "fwd", jax.jit(call)),
+                 (segments, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
+    chosen = chosen_segments(op, T, H, D)
+    out = []
+    timed = time_side_by_side([(f, (q, k, v, g, beta)) for *_, f in jobs], iters)
+    for (segments, passes, _), t in zip(jobs, timed):
+        if isinstance(t, Exception):
+            print(f"{op} T={T} H={H} D={D} segments={segments} {passes}: failed: "
+                  f"{type(t).__name__}: {str(t)[:300]}", flush=True)
+            continue
+        out.append(dict(op=op, T=T, H=H, K=D, V=D, segments=segments,
+                        chosen=chosen if segments == "auto" else segments,
+                        **{"pass": passes}, ms=t.ms, device=jax.devices()[0].device_kind,
+                        jax=jax.__version__))
+        print(f"{op} T={T} H={H} D={D} segments={segments} {passes}: {t.ms:.3f} ms", flush=True)
+    return out
+
+
+def markdown(records: list[dict]) -> str:
+    if not records:
+        return "# Segments\n\nNo records.\n"
+    counts = sorted({r["segments"] for r in records if r["segments"] != "auto"})
+    at = {(r["op"], r["T"], r["H"], r["K"], r["pass"], r["segments"]): r for r in records}
+    lines = ["# Segments", "",
+             f"One sequence run as S segments on one GPU ({records[0]['device']}), ms per "
+             "call; bf16, q and k normalised in the op. auto: the op's own choice "
+             "(segments=None), the S it ran and its time's ratio to the unsplit op's.", "",
+             "| op | T | H | K | pass | " + " | ".join(f"S = {s}" for s in counts)
+             + " | auto (S) | unsplit / auto |",
+             "|---|---|---|---|---|" + "---|" * len(counts) + "---|---|"]
+    for op, T, H, K, passes in sorted({(r["op"], r["T"], r["H"], r["K"], r["pass"])
+                                       for r in records}, key=lambda x: (x[0], -x[1], x[2:])):
+        cells = [at.get((op, T, H, K, passes, s)) for s in counts]
+        auto, unsplit = at.get((op, T, H, K, passes, "auto")), at.get((op, T, H, K, passes, 1))
+        ms = lambda r: "-" if r is None else f"{r['ms']:.3f}"
+        ratio = ("-" if auto is None or unsplit is None
+                 else f"{unsplit['ms'] / auto['ms']:.2f}x")
+        lines.append(f"| {op.upper()} | {T} | {H} | {K} | {passes} | "
+                     + " | ".join(ms(c) for c in cells)
+                     + f" | {ms(auto)} ({'-' if auto is None else auto['chosen']}) | {ratio} |")
+    versions = sorted({f"jax {r['jax']}" for r in records})
+    lines += ["", "Versions: " + "; ".join(versions) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="python -m benchmarks.bench.segments",
+                       description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--ops", default="gdn,kda", help="comma list of gdn, kda")
+    ap.add_argument("--configs", default=",".join(":".join(map(str, c)) for c in CONFIGS),
+                    help="T:H:D,...")
+    ap.add_argument("--segments", type=int, nargs="+", default=list(SEGMENTS))
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    ops = comma_list(ap, "--ops", args.ops, ("gdn", "kda"))
+    try:
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    except ValueError:
+        ap.error("--configs: comma list of T:H:D")
+    if any(len(c) != 3 or min(c) < 1 for c in configs):
+        ap.error("--configs: comma list of T:H:D, each positive")
+    if min(args.segments) < 1 or args.iters < 1:
+        ap.error("--segments and --iters must be positive")
+    records: list[dict] = []
+    save = saver(args.json, records)
+    for op in ops:
+        for T, H, D in configs:
+            records += measure(op, T, H, D, [s for s in args.segments if T % s == 0],
+                               args.iters)
+            save()
+    print(markdown(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
