@@ -45,7 +45,7 @@ def _local_gather(ex, per_piece):
     return jax.tree.map(lambda a: in_sequence_order(a, ex.layout), repeated)
 
 
-def _zero_entry_states(ex, stages, terms, layouts, init):
+def _zero_entry_states(ex, stages, terms, layouts, init, segments=1):
     """``cp.exchange.entry_states`` with no cross-device step: zero states, zero M."""
     import jax.numpy as jnp
     from jaxcp.cp.exchange import zero_state
@@ -59,7 +59,7 @@ def _zero_entry_states(ex, stages, terms, layouts, init):
                    for _ in terms]
 
 
-def _zero_exit_cotangents(ex, stages, terms, layouts, do, d_final, ms):
+def _zero_exit_cotangents(ex, stages, terms, layouts, do, d_final, ms, segments=1):
     from jaxcp.cp.exchange import zero_state
     return [zero_state(t) for t in terms]
 
