@@ -160,16 +160,17 @@ def test_cp_pallas_gradients_trace_under_check_vma(kind, monkeypatch):
     jax.make_jaxpr(jax.grad(f, argnums=tuple(range(7))))(q, k, v, g, beta, *params)
 
 
-@pytest.mark.parametrize("W, strategy", [(4, "allgather"), (4, "all_to_all"), (4, "relay"),
-                                         (8, "allgather")])
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind, W, strategy", [
+    *((kind, W, "allgather") for kind in ("gdn", "kda") for W in (4, 8)),
+    ("gdn", 4, "all_to_all"), ("gdn", 4, "relay")])
 def test_cp_varlen_pallas_interpret(kind, W, strategy):
     """The layouts of 4 and 8 devices (first, middle and last devices; a start on a device
     boundary; a sequence across several devices) through the Pallas kernels in interpret
     mode (which needs shard_map's check_vma=False in JAX 0.11), against the reference (the
     single-device kernels meet it in test_chunk, and CP equals one device on the XLA
-    stages here and to 1e-6 through the kernels in the bf16 test above). Every strategy
-    meets the kernels at W = 4; at W = 8 allgather does."""
+    stages here and to 1e-6 through the kernels in the bf16 test above). allgather meets
+    both gates' kernels at W = 4 and 8; all_to_all and relay, which run the same stages
+    for either gate, meet GDN's at W = 4."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 16,
                        n_states=len(cu) - 1, seed=W + 10)
