@@ -113,3 +113,14 @@ def test_bench_cp_flag_errors(flags, capsys):
         cp.main(flags)
     assert e.value.code == 2
     assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags", [["--ops", "gla"], ["--configs", "8:2"], ["--devices", "0"],
+                                   ["--segments", "0"]])
+def test_bench_segments_flag_errors(flags, capsys):
+    """Bad flags: exit code 2 and one line naming the flag, before any run."""
+    from benchmarks.bench import segments
+    with pytest.raises(SystemExit) as e:
+        segments.main(flags)
+    assert e.value.code == 2
+    assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]

@@ -10,8 +10,11 @@ every count of --segments (1: the unsplit op) and for the op's own choice ("auto
 segments=None: ``choose_segments``), compiled side by side and timed in turn
 (``timing.time_side_by_side``).
 
-Each record: op, T, H, K, V, segments (an int or "auto"), chosen (the count the op runs),
-pass, ms, device, jax.
+With --devices W > 1, the T tokens split over W GPUs instead (allgather, contiguous and
+zigzag layouts), each device's pieces in segments.
+
+Each record: op, T, H, K, V, W, layout ("-" on one device), segments (an int or "auto"),
+chosen (the count the op runs per piece), pass, ms, device, jax.
 """
 from __future__ import annotations
 
@@ -36,31 +39,56 @@ def chosen_segments(op: str, T: int, H: int, D: int) -> int:
                            Gate.SCALAR, batch=1, heads=H, k_dim=D, v_dim=D, piece_len=T)
 
 
-def measure(op: str, T: int, H: int, D: int, counts, iters: int) -> list[dict]:
+def _calls(op: str, mesh, cp_layout: str | None):
+    """segments -> (q, k, v, g, beta) -> o: one device (cp_layout None), or CP over the
+    mesh's axis in cp_layout (``bench.cp.op_call``'s shard_map)."""
     import jax
+    from jax.sharding import PartitionSpec as P
+    from benchmarks.bench.cp import AXIS
+
+    fn = jaxcp_op(op)
+    kw = dict(use_qk_l2norm_in_kernel=True, backend="pallas")
+    if cp_layout is None:
+        return lambda segments: lambda *xs: fn(*xs, **kw, segments=segments)[0]
+    seq = P(None, AXIS)
+    return lambda segments: jax.shard_map(
+        lambda *xs: fn(*xs, **kw, segments=segments, cp_axis=AXIS, cp_layout=cp_layout)[0],
+        mesh=mesh, in_specs=(seq,) * 5, out_specs=seq)
+
+
+def measure(op: str, T: int, H: int, D: int, counts, iters: int, W: int = 1) -> list[dict]:
+    """Records of one shape, for every count and "auto": on one device, or with W > 1 under
+    CP (allgather, both layouts, T tokens over W devices)."""
+    import jax
+    from benchmarks.bench import cp
     from benchmarks.timing import forward_backward, time_side_by_side
 
     q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
-    fn = jaxcp_op(op)
-    jobs = []         # (segments, pass, jitted function)
-    for segments in [*counts, "auto"]:
-        call = lambda q, k, v, g, beta, s=None if segments == "auto" else segments: fn(
-            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend="pallas", segments=s)[0]
-        jobs += [(segments, "fwd", jax.jit(call)),
-                 (segments, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
-    chosen = chosen_segments(op, T, H, D)
+    one = (q, k, v, g, beta)
+    mesh = cp.seq_mesh(W) if W > 1 else None
+    settings = [(1, None)] if W == 1 else [(W, layout) for layout in cp.CP_LAYOUTS]
+    jobs = []         # (W, layout, segments, pass, jitted function, inputs)
+    for w, layout in settings:
+        calls = _calls(op, mesh, layout)
+        xs = one if layout is None else cp.placed(one, mesh, layout)
+        for segments in [*counts, "auto"]:
+            call = calls(None if segments == "auto" else segments)
+            jobs += [(w, layout, segments, "fwd", jax.jit(call), xs),
+                     (w, layout, segments, "fwd+bwd",
+                      jax.jit(forward_backward(call, range(5))), xs)]
     out = []
-    timed = time_side_by_side([(f, (q, k, v, g, beta)) for *_, f in jobs], iters)
-    for (segments, passes, _), t in zip(jobs, timed):
+    timed = time_side_by_side([(f, xs) for *_, f, xs in jobs], iters)
+    for (w, layout, segments, passes, _, _), t in zip(jobs, timed):
+        label = f"{op} T={T} H={H} D={D} W={w} {layout or ''} segments={segments} {passes}"
         if isinstance(t, Exception):
-            print(f"{op} T={T} H={H} D={D} segments={segments} {passes}: failed: "
-                  f"{type(t).__name__}: {str(t)[:300]}", flush=True)
+            print(f"{label}: failed: {type(t).__name__}: {str(t)[:300]}", flush=True)
             continue
-        out.append(dict(op=op, T=T, H=H, K=D, V=D, segments=segments,
-                        chosen=chosen if segments == "auto" else segments,
+        chosen = chosen_segments(op, T // w // (2 if layout == "zigzag" else 1), H, D)
+        out.append(dict(op=op, T=T, H=H, K=D, V=D, W=w, layout=layout or "-",
+                        segments=segments, chosen=chosen if segments == "auto" else segments,
                         **{"pass": passes}, ms=t.ms, device=jax.devices()[0].device_kind,
                         jax=jax.__version__))
-        print(f"{op} T={T} H={H} D={D} segments={segments} {passes}: {t.ms:.3f} ms", flush=True)
+        print(f"{label}: {t.ms:.3f} ms", flush=True)
     return out
 
 
@@ -68,22 +96,25 @@ def markdown(records: list[dict]) -> str:
     if not records:
         return "# Segments\n\nNo records.\n"
     counts = sorted({r["segments"] for r in records if r["segments"] != "auto"})
-    at = {(r["op"], r["T"], r["H"], r["K"], r["pass"], r["segments"]): r for r in records}
+    key = lambda r: (r["op"], r["T"], r["H"], r["K"], r.get("W", 1), r.get("layout", "-"),
+                     r["pass"])
+    at = {(*key(r), r["segments"]): r for r in records}
     lines = ["# Segments", "",
              f"One sequence run as S segments on one GPU ({records[0]['device']}), ms per "
              "call; bf16, q and k normalised in the op. auto: the op's own choice "
-             "(segments=None), the S it ran and its time's ratio to the unsplit op's.", "",
-             "| op | T | H | K | pass | " + " | ".join(f"S = {s}" for s in counts)
+             "(segments=None), the S it ran and its time's ratio to the unsplit op's. W > 1: "
+             "the T tokens split over W GPUs (allgather, in the layout), S per piece.", "",
+             "| op | T | H | K | W | layout | pass | " + " | ".join(f"S = {s}" for s in counts)
              + " | auto (S) | unsplit / auto |",
-             "|---|---|---|---|---|" + "---|" * len(counts) + "---|---|"]
-    for op, T, H, K, passes in sorted({(r["op"], r["T"], r["H"], r["K"], r["pass"])
-                                       for r in records}, key=lambda x: (x[0], -x[1], x[2:])):
-        cells = [at.get((op, T, H, K, passes, s)) for s in counts]
-        auto, unsplit = at.get((op, T, H, K, passes, "auto")), at.get((op, T, H, K, passes, 1))
+             "|---|---|---|---|---|---|---|" + "---|" * len(counts) + "---|---|"]
+    for row in sorted({key(r) for r in records}, key=lambda x: (x[0], -x[1], x[2:])):
+        op, T, H, K, W, layout, passes = row
+        cells = [at.get((*row, s)) for s in counts]
+        auto, unsplit = at.get((*row, "auto")), at.get((*row, 1))
         ms = lambda r: "-" if r is None else f"{r['ms']:.3f}"
         ratio = ("-" if auto is None or unsplit is None
                  else f"{unsplit['ms'] / auto['ms']:.2f}x")
-        lines.append(f"| {op.upper()} | {T} | {H} | {K} | {passes} | "
+        lines.append(f"| {op.upper()} | {T} | {H} | {K} | {W} | {layout} | {passes} | "
                      + " | ".join(ms(c) for c in cells)
                      + f" | {ms(auto)} ({'-' if auto is None else auto['chosen']}) | {ratio} |")
     versions = sorted({f"jax {r['jax']}" for r in records})
@@ -100,6 +131,8 @@ def main(argv=None) -> int:
                     help="T:H:D,...")
     ap.add_argument("--segments", type=int, nargs="+", default=list(SEGMENTS))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--devices", type=int, default=1,
+                    help="W > 1: under CP over the first W GPUs")
     args = ap.parse_args(argv)
     ops = comma_list(ap, "--ops", args.ops, ("gdn", "kda"))
     try:
@@ -108,14 +141,14 @@ def main(argv=None) -> int:
         ap.error("--configs: comma list of T:H:D")
     if any(len(c) != 3 or min(c) < 1 for c in configs):
         ap.error("--configs: comma list of T:H:D, each positive")
-    if min(args.segments) < 1 or args.iters < 1:
-        ap.error("--segments and --iters must be positive")
+    if min(args.segments) < 1 or args.iters < 1 or args.devices < 1:
+        ap.error("--segments, --iters and --devices must be positive")
     records: list[dict] = []
     save = saver(args.json, records)
     for op in ops:
         for T, H, D in configs:
             records += measure(op, T, H, D, [s for s in args.segments if T % s == 0],
-                               args.iters)
+                               args.iters, args.devices)
             save()
     print(markdown(records))
     return 0
