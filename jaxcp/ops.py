@@ -60,7 +60,8 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     piece_len = local[0].length
     backend = resolve_backend(backend)
     S = choose_segments(segments, backend=backend, gate=gate, batch=B, heads=HV, k_dim=K,
-                        v_dim=v.shape[3], piece_len=piece_len)
+                        v_dim=v.shape[3], piece_len=piece_len,
+                        across_devices=exchange is not None and exchange.strategy == "allgather")
     segment_len = piece_len // S
     NT = num_chunks(segment_len, chunk_size, n_seqs)
     impl = implementation(backend, gate)

@@ -31,12 +31,14 @@ SEGMENTS = (1, 2, 4, 8)
 PASSES = ("fwd", "fwd+bwd")
 
 
-def chosen_segments(op: str, T: int, H: int, D: int) -> int:
-    """The count the op picks for this shape (segments=None) on the Pallas backend."""
+def chosen_segments(op: str, piece_len: int, H: int, D: int, across_devices: bool) -> int:
+    """The count the op picks for a piece of this shape (segments=None) on the Pallas
+    backend, on one device or under allgather CP (across_devices)."""
     from jaxcp.cp.segments import choose_segments
     from jaxcp.gate import Gate
     return choose_segments(None, backend="pallas", gate=Gate.CHANNEL if op == "kda" else
-                           Gate.SCALAR, batch=1, heads=H, k_dim=D, v_dim=D, piece_len=T)
+                           Gate.SCALAR, across_devices=across_devices, batch=1, heads=H,
+                           k_dim=D, v_dim=D, piece_len=piece_len)
 
 
 def _calls(op: str, mesh, cp_layout: str | None):
@@ -83,7 +85,8 @@ def measure(op: str, T: int, H: int, D: int, counts, iters: int, W: int = 1) -> 
         if isinstance(t, Exception):
             print(f"{label}: failed: {type(t).__name__}: {str(t)[:300]}", flush=True)
             continue
-        chosen = chosen_segments(op, T // w // (2 if layout == "zigzag" else 1), H, D)
+        chosen = chosen_segments(op, T // w // (2 if layout == "zigzag" else 1), H, D,
+                                 across_devices=layout is not None)
         out.append(dict(op=op, T=T, H=H, K=D, V=D, W=w, layout=layout or "-",
                         segments=segments, chosen=chosen if segments == "auto" else segments,
                         **{"pass": passes}, ms=t.ms, device=jax.devices()[0].device_kind,

@@ -27,18 +27,18 @@ MIN_SEGMENT_TOKENS = 8192
 MIN_SEGMENTS = 4
 
 
-def choose_segments(segments: int | None, *, backend: str, gate: Gate, batch: int,
-                    heads: int, k_dim: int, v_dim: int, piece_len: int) -> int:
+def choose_segments(segments: int | None, *, backend: str, gate: Gate, across_devices: bool,
+                    batch: int, heads: int, k_dim: int, v_dim: int, piece_len: int) -> int:
     """S for a piece of piece_len tokens of `batch` rows of `heads` value heads. segments:
-    the caller's (1: no split), or None: for GDN on the Pallas backend, the largest power of
-    two S at which the state recurrences' programs (B HV S times the blocks of state
-    columns) fill the GPU at most once, if it is at least MIN_SEGMENTS, divides piece_len
-    and leaves segments of MIN_SEGMENT_TOKENS; 1 otherwise. KDA is not split by default:
-    its transition M costs more than the parallel recurrences save
-    (docs/benchmarks/segments.md)."""
+    the caller's (1: no split), or None: on the Pallas backend, the largest power of two S at
+    which B HV S times the blocks of state columns (GDN's blocks) fill the GPU at most once,
+    if it is at least MIN_SEGMENTS, divides piece_len and leaves segments of
+    MIN_SEGMENT_TOKENS; 1 otherwise. KDA splits only across devices (across_devices: the
+    allgather strategy, whose summary pass runs anyway): on one device its transition M
+    costs more than the parallel recurrences save (docs/benchmarks/segments.md)."""
     if segments is not None:
         return segments
-    if backend != "pallas" or gate is not Gate.SCALAR:
+    if backend != "pallas" or (gate is Gate.CHANNEL and not across_devices):
         return 1
     from jaxcp.pallas.triton.common.launch import FULL_GRID, StateBlocks
     programs = batch * heads * (v_dim // StateBlocks.default(k_dim).cols(v_dim))
