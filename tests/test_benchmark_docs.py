@@ -50,18 +50,6 @@ def test_memory_page_marks_failed_runs_and_ops():
     assert "failed: no torch" in text and "| GDN | jaxcp | 8 | 2 | 16 | 0.00 | 1.00 |" in text
 
 
-@pytest.mark.parametrize("flags", [["--steps", "1"], ["--ops", "gla"], ["--impls", "jax"],
-                                   ["--T", "0"]])
-def test_bench_memory_flag_errors(flags, capsys):
-    """Bad flags: exit code 2 and a one-line message naming the flag, before any run."""
-    from benchmarks.bench import memory
-    with pytest.raises(SystemExit) as e:
-        memory.main(flags)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert flags[0] in err[-1]
-
-
 def test_kernel_page_shows_peak_memory_when_recorded():
     from benchmarks.bench import kernels
     row = dict(op="kda", T=8, H=2, K=16, V=16, device="H100", **{"pass": "fwd"})
@@ -104,23 +92,18 @@ def test_cp_page_has_a_section_per_op_and_a_target_row_per_layout():
     assert "| jaxcp-pallas | allgather | zigzag | 1 | fwd | 2.00 | 100% | 0.00 |" in kda
 
 
-@pytest.mark.parametrize("flags", [["--ops", "gla"], ["--cp-layouts", "striped"],
-                                   ["--strategies", "ring"], ["--T", "0"]])
-def test_bench_cp_flag_errors(flags, capsys):
-    """Bad flags: exit code 2 and a message naming the flag, before any run."""
-    from benchmarks.bench import cp
+@pytest.mark.parametrize("tool, flags", [
+    *(("memory", f) for f in (["--steps", "1"], ["--ops", "gla"], ["--impls", "jax"],
+                              ["--T", "0"])),
+    *(("cp", f) for f in (["--ops", "gla"], ["--cp-layouts", "striped"],
+                          ["--strategies", "ring"], ["--T", "0"])),
+    *(("segments", f) for f in (["--ops", "gla"], ["--configs", "8:2"], ["--devices", "0"],
+                                ["--segments", "0"]))])
+def test_bench_flag_errors(tool, flags, capsys):
+    """Bad flags of a benchmark tool: exit code 2 and one line naming the flag, before any
+    run."""
+    import importlib
     with pytest.raises(SystemExit) as e:
-        cp.main(flags)
-    assert e.value.code == 2
-    assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
-
-
-@pytest.mark.parametrize("flags", [["--ops", "gla"], ["--configs", "8:2"], ["--devices", "0"],
-                                   ["--segments", "0"]])
-def test_bench_segments_flag_errors(flags, capsys):
-    """Bad flags: exit code 2 and one line naming the flag, before any run."""
-    from benchmarks.bench import segments
-    with pytest.raises(SystemExit) as e:
-        segments.main(flags)
+        importlib.import_module(f"benchmarks.bench.{tool}").main(flags)
     assert e.value.code == 2
     assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
