@@ -16,9 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcp.layout import ChunkLayout, TokenMap, build_layout, from_chunks, to_chunks
-
 from jaxcp.gate import Gate
+from jaxcp.layout import ChunkLayout, TokenMap, build_layout, from_chunks, to_chunks
 
 # The fewest tokens a segment keeps (measured down to 8192: GDN, H200)
 MIN_SEGMENT_TOKENS = 8192
