@@ -77,14 +77,15 @@ def test_segments_bad_values(segments, match):
 
 def test_segments_by_shape():
     """On the Pallas backend GDN splits where its state programs fill the GPU less than a
-    quarter, KDA only across devices; other backends and short pieces stay whole."""
+    quarter, KDA only across devices; other backends, head widths and short pieces stay
+    whole."""
     pick = lambda **kw: choose_segments(None, **{
         **dict(backend="pallas", gate=Gate.SCALAR, across_devices=False, batch=1, heads=16,
                k_dim=128, v_dim=128, piece_len=131072), **kw})
     assert pick() == 4
     assert pick(heads=8) == 8
     assert pick(heads=32) == pick(heads=64) == pick(batch=4, piece_len=8192) == 1
-    assert pick(k_dim=256, v_dim=256) == 1
+    assert pick(k_dim=256, v_dim=256) == pick(k_dim=64, v_dim=64) == 1
     assert pick(piece_len=16384) == 1
     assert pick(gate=Gate.CHANNEL) == pick(backend="xla") == 1
     assert pick(gate=Gate.CHANNEL, across_devices=True) == pick(across_devices=True) == 4

@@ -32,12 +32,14 @@ def choose_segments(segments: int | None, *, backend: str, gate: Gate, across_de
     the caller's (1: no split), or None: on the Pallas backend, the largest power of two S at
     which B HV S times the blocks of state columns (GDN's blocks) fill the GPU at most once,
     if it is at least MIN_SEGMENTS, divides piece_len and leaves segments of
-    MIN_SEGMENT_TOKENS; 1 otherwise. KDA splits only across devices (across_devices: the
-    allgather strategy, whose summary pass runs anyway): on one device its transition M
-    costs more than the parallel recurrences save (docs/benchmarks/segments.md)."""
+    MIN_SEGMENT_TOKENS; 1 otherwise, and at head widths other than K = V = 128 (the ones
+    measured). KDA splits only across devices (across_devices: the allgather strategy,
+    whose summary pass runs anyway): on one device its transition M costs more than the
+    parallel recurrences save (docs/benchmarks/segments.md)."""
     if segments is not None:
         return segments
-    if backend != "pallas" or (gate is Gate.CHANNEL and not across_devices):
+    if (backend != "pallas" or (k_dim, v_dim) != (128, 128)
+            or (gate is Gate.CHANNEL and not across_devices)):
         return 1
     from jaxcp.pallas.triton.common.launch import FULL_GRID, StateBlocks
     programs = batch * heads * (v_dim // StateBlocks.default(k_dim).cols(v_dim))
