@@ -87,6 +87,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn-kv", default="allgather", choices=["allgather", "ring"],
                     help="how attention passes keys and values over the seq axis: all at once, "
                          "or one device's block at a time around a ring (less memory)")
+    ap.add_argument("--segments", type=int, default=None,
+                    help="GDN/KDA: run each device's piece of the sequence as this many "
+                         "segments side by side (default: chosen by shape; 1: never)")
     ap.add_argument("--mlp-block", type=int, default=32768,
                     help="tokens per MLP block: the MLPs run block by block, each recomputed in "
                          "the backward (0: all tokens at once)")
@@ -127,6 +130,11 @@ def parse_args(argv=None):
     if args.layout == "zigzag" and seq > 1 and args.seq_len % (2 * seq):
         ap.error(f"--layout zigzag: --seq-len {args.seq_len} must be divisible by 2 x the seq "
                  f"axis = {2 * seq}")
+    if args.segments is not None:
+        piece = args.seq_len // seq // (2 if args.layout == "zigzag" and seq > 1 else 1)
+        if args.segments <= 0 or piece % args.segments:
+            ap.error(f"--segments must be positive and divide each device's piece of the "
+                     f"sequence ({piece} tokens), got {args.segments}")
     if args.data is not None:
         if not os.path.isfile(args.data):
             ap.error(f"--data {args.data}: no such file")
@@ -266,7 +274,7 @@ def _train(args, ap, argv, env, cluster) -> int:
                    cp_axis="seq" if seq > 1 else None, backend=args.backend,
                    attn_block_size=args.attn_block, remat=args.remat,
                    mlp_block_tokens=args.mlp_block or None, cp_layout=args.layout,
-                   cp_kv=args.attn_kv, rngs=nnx.Rngs(args.seed))
+                   cp_kv=args.attn_kv, segments=args.segments, rngs=nnx.Rngs(args.seed))
     except ValueError as e:
         ap.error(str(e))
     flops = token_flops(model, args.seq_len)

@@ -137,6 +137,7 @@ def test_train_script_stops_on_a_non_finite_loss(tmp_path):
     (["--head-dim", "48"], "head dim K = 48"),
     (["--layout", "zigzag", "--seq-len", "34", "--mesh", "data=1,seq=2"], "--layout zigzag"),
     (["--mlp-block", "-1"], "--mlp-block"),
+    (["--segments", "3"], "--segments"),
     (["--resume", "--overwrite"], "--resume and --overwrite"),
 ])
 def test_train_script_bad_flags(args, message, tmp_path):

@@ -59,7 +59,7 @@ class _DeltaRuleLayer(nnx.Module):
 
     def __init__(self, hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
                  conv_size, allow_neg_eigval, norm_eps, cp_axis, backend, gate_activation,
-                 cp_layout, *, rngs):
+                 cp_layout, segments, *, rngs):
         check_layout(cp_layout)
         self.num_heads = num_heads
         self.num_v_heads = num_v_heads or num_heads
@@ -87,6 +87,7 @@ class _DeltaRuleLayer(nnx.Module):
         self.cp_axis = cp_axis
         self.cp_layout = cp_layout
         self.backend = backend
+        self.segments = segments
 
     def init_cache(self, batch_size: int, dtype=jnp.float32) -> DeltaRuleCache:
         """The empty cache of `batch_size` sequences (activations in `dtype`)."""
@@ -153,7 +154,8 @@ class _DeltaRuleLayer(nnx.Module):
                              initial_state=None if cache is None else cache.state,
                              output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
                              cp_axis=self.cp_axis if split else None, cp_layout=self.cp_layout,
-                             backend=self.backend, **chunk_kw, **gate_kw)
+                             backend=self.backend, segments=self.segments, **chunk_kw,
+                             **gate_kw)
         if gate is None:
             o = self.o_norm(o)
         else:
@@ -169,10 +171,11 @@ class GatedDeltaNet(_DeltaRuleLayer):
                  num_v_heads: int | None = None, expand_v: float = 2.0, use_gate: bool = True,
                  use_short_conv: bool = True, conv_size: int = 4, allow_neg_eigval: bool = False,
                  norm_eps: float = 1e-5, cp_axis: str | None = None, backend: str | None = None,
-                 cp_layout: str = "contiguous", *, rngs: nnx.Rngs):
+                 cp_layout: str = "contiguous", segments: int | None = None, *,
+                 rngs: nnx.Rngs):
         super().__init__(hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
                          conv_size, allow_neg_eigval, norm_eps, cp_axis, backend,
-                         "swish" if use_gate else None, cp_layout, rngs=rngs)
+                         "swish" if use_gate else None, cp_layout, segments, rngs=rngs)
         self.a_proj = _linear(hidden_size, self.num_v_heads, rngs)
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.num_v_heads,),
                                                           jnp.float32, 1e-4, 16.0)))
@@ -203,10 +206,11 @@ class KimiDeltaAttention(_DeltaRuleLayer):
                  use_short_conv: bool = True, conv_size: int = 4, allow_neg_eigval: bool = False,
                  safe_gate: bool = False, lower_bound: float | None = None,
                  norm_eps: float = 1e-5, cp_axis: str | None = None, backend: str | None = None,
-                 cp_layout: str = "contiguous", *, rngs: nnx.Rngs):
+                 cp_layout: str = "contiguous", segments: int | None = None, *,
+                 rngs: nnx.Rngs):
         super().__init__(hidden_size, num_heads, head_dim, num_v_heads, expand_v, use_short_conv,
                          conv_size, allow_neg_eigval, norm_eps, cp_axis, backend, "sigmoid",
-                         cp_layout, rngs=rngs)
+                         cp_layout, segments, rngs=rngs)
         if safe_gate and (lower_bound is None or not -5.0 <= lower_bound < 0.0):
             raise ValueError(f"safe_gate needs lower_bound in [-5, 0), got {lower_bound!r}")
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim

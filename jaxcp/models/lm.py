@@ -58,15 +58,17 @@ class Block(nnx.Module):
                  intermediate_size: int, cp_axis: str | None, backend: str | None,
                  attn_block_size: int, remat_mixer: bool = False,
                  mlp_block_tokens: int | None = None, cp_layout: str = "contiguous",
-                 cp_kv: str = "allgather", *, rngs: nnx.Rngs):
+                 cp_kv: str = "allgather", segments: int | None = None, *, rngs: nnx.Rngs):
         self.remat_mixer = remat_mixer
         self.mixer_norm = RMSNorm(hidden_size)
         if kind == "gdn":
             self.mixer = GatedDeltaNet(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
-                                       backend=backend, cp_layout=cp_layout, rngs=rngs)
+                                       backend=backend, cp_layout=cp_layout, segments=segments,
+                                       rngs=rngs)
         elif kind == "kda":
             self.mixer = KimiDeltaAttention(hidden_size, num_heads, head_dim, cp_axis=cp_axis,
-                                            backend=backend, cp_layout=cp_layout, rngs=rngs)
+                                            backend=backend, cp_layout=cp_layout,
+                                            segments=segments, rngs=rngs)
         else:
             self.mixer = CausalSelfAttention(hidden_size, num_heads, head_dim=head_dim,
                                              cp_axis=cp_axis, block_size=attn_block_size,
@@ -104,14 +106,15 @@ class LM(nnx.Module):
     tokens one at a time (``SwiGLU``); None: all tokens at once. cp_layout: how the sequence
     is split over cp_axis (``jaxcp.cp.split``): tokens come in that layout's order, which the
     caller makes once per batch (``jaxcp.to_layout``). cp_kv: how the attention layers pass
-    keys and values over cp_axis, "allgather" or "ring" (``CausalSelfAttention``)."""
+    keys and values over cp_axis, "allgather" or "ring" (``CausalSelfAttention``). segments:
+    the GDN/KDA ops' (None: chosen by shape, ``jaxcp.cp.segments``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, layer_pattern: str, num_heads: int,
                  head_dim: int, intermediate_size: int | None = None,
                  cp_axis: str | None = None, backend: str | None = None,
                  attn_block_size: int = 1024, remat: str = "none",
                  mlp_block_tokens: int | None = None, cp_layout: str = "contiguous",
-                 cp_kv: str = "allgather", *, rngs: nnx.Rngs):
+                 cp_kv: str = "allgather", segments: int | None = None, *, rngs: nnx.Rngs):
         if remat not in REMAT:
             raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
         self.remat = remat
@@ -123,7 +126,7 @@ class LM(nnx.Module):
         self.blocks = nnx.List([Block(kind, hidden_size, num_heads, head_dim,
                                       intermediate_size or 4 * hidden_size, cp_axis, backend,
                                       attn_block_size, remat == "mixer", mlp_block_tokens,
-                                      cp_layout, cp_kv, rngs=rngs)
+                                      cp_layout, cp_kv, segments, rngs=rngs)
                                 for kind in kinds])
         self.norm = RMSNorm(hidden_size)
         self.head = nnx.Linear(hidden_size, vocab_size, use_bias=False, rngs=rngs)
