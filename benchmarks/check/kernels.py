@@ -8,12 +8,14 @@ Layouts: "varlen" packs sequences (cu_seqlens, B = 1); "batch" is B = 2 rows of 
 each, without cu_seqlens (the GDN kernels read the tokens in place in both). Keys: "random" (independent normals) or "correlated" (the keys of a head share one
 direction plus 10 % noise, with 10x weaker decay, as for the repeated tokens of real data,
 where (I + A)^-1 is far from I). Limits: o < 5e-3, everything else < 1e-2 (bf16); 1e-4 in float32.
-With --repeat N the op runs N times per case and must give the same bits every time (a
+With --segments S the op runs each sequence as S segments (T divisible by S). With
+--repeat N the op runs N times per case and must give the same bits every time (a
 kernel that reads back what other threads wrote without a barrier would not; run with
 XLA_FLAGS=--xla_gpu_deterministic_ops=true so that XLA's own reductions are deterministic
 too); a case that does not shows NaN errors. --json writes one record per case, from which
 ``benchmarks.pages`` renders docs/benchmarks/gpu_checks.md (``markdown``). A record: op, layout,
-keys, dtype, backend, T, D, H, repeat (runs of the op that had to agree bit for bit), errors
+keys, dtype, backend, T, D, H, segments, repeat (runs of the op that had to agree bit for
+bit), errors
 (relative error per name of NAMES against the float32 reference; NaN for all when the runs
 disagreed), device, jax.
 """
@@ -48,9 +50,10 @@ def heads(H: int, D: int) -> int:
 
 
 def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
-          keys: str = "random", repeat: int = 1) -> list[float]:
+          keys: str = "random", repeat: int = 1, segments: int = 1) -> list[float]:
     """Relative errors (NAMES) of the op against the float32 reference on one random problem;
-    NaN for all when `repeat` runs of the op on the same inputs do not agree bit for bit."""
+    NaN for all when `repeat` runs of the op on the same inputs do not agree bit for bit.
+    segments: the op's (each sequence run as that many segments, ``jaxcp.cp.segments``)."""
     import jax
     import jax.numpy as jnp
     import jaxcp
@@ -82,7 +85,7 @@ def check(kind: str, backend: str, layout: str, T: int, D: int, H: int, dtype,
             return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(final * wf), (o, final)
         return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))
 
-    fn = loss(op, backend=backend)
+    fn = loss(op, backend=backend, segments=segments)
     (_, (o, f)), grads = fn(*xs)
     for _ in range(repeat - 1):     # the same inputs must give the same bits (no races)
         (_, again), grads_again = fn(*xs)
@@ -120,7 +123,9 @@ def markdown(records: list[dict]) -> str:
     for r in records:
         errs = " | ".join(f"{r['errors'][n]:.1e}" for n in NAMES)
         result = "ok" if within_limits(r["errors"], r["dtype"]) else "over"
-        lines.append(f"| {r['device']} | {r['op']} | {r['layout']} | {r['keys']} | "
+        layout = r["layout"] + (f", {r['segments']} segments" if r.get("segments", 1) > 1
+                                else "")
+        lines.append(f"| {r['device']} | {r['op']} | {layout} | {r['keys']} | "
                      f"{r['dtype']} | {r['T']} | {r['D']} | {r['H']} | {r['repeat']} | "
                      f"{errs} | {result} |")
     return "\n".join(lines) + "\n"
@@ -139,10 +144,14 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", default="random,correlated")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of the op per case, which must agree bit for bit")
+    ap.add_argument("--segments", type=int, default=1,
+                    help="run each sequence as this many segments (every --T divisible by it)")
     ap.add_argument("--json", help="write one record per case here")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be positive")
+    if args.segments < 1 or any(T % args.segments for T in args.T):
+        ap.error("--segments must be positive and divide every --T")
     layouts, key_kinds = args.layouts.split(","), args.keys.split(",")
     if not set(layouts) <= {"varlen", "batch"}:
         ap.error("--layouts: comma list of varlen, batch")
@@ -160,10 +169,11 @@ def main(argv=None) -> int:
             for T in args.T:
                 for D in args.D:
                     errs = check(kind, args.backend, lay, T, D, args.H, dtype, keys,
-                                 args.repeat)
+                                 args.repeat, args.segments)
                     r = dict(op=kind, layout=lay, keys=keys, dtype=args.dtype,
                              backend=args.backend, T=T, D=D, H=heads(args.H, D),
-                             repeat=args.repeat, errors=dict(zip(NAMES, errs)),
+                             segments=args.segments, repeat=args.repeat,
+                             errors=dict(zip(NAMES, errs)),
                              device=device, jax=jax.__version__)
                     records.append(r)
                     print(f"{kind} {lay} {keys} T={T} D={D}: " + " ".join(
