@@ -51,13 +51,15 @@ def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=No
         assert_rel(a, b, tol_single, f"{name}: CP vs single device")
 
 
-@pytest.mark.parametrize("W, strategy", [(2, "allgather"), (2, "all_to_all"), (2, "relay"),
-                                         (8, "allgather"), (8, "all_to_all")])
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind, W, strategy", [
+    *((kind, W, s) for kind in ("gdn", "kda")
+      for W, s in ((2, "allgather"), (2, "all_to_all"), (2, "relay"), (8, "allgather"))),
+    ("gdn", 8, "all_to_all")])
 def test_cp_varlen(kind, W, strategy):
-    """The strategies on the XLA stages with check_vma on; W = 4 runs every strategy through
-    the Pallas kernels (test_cp_varlen_pallas_interpret), relay's hand-offs across a
-    sequence of 3+ devices included."""
+    """The strategies on the XLA stages with check_vma on (all_to_all's one head per device
+    at W = 8 through GDN: the head split is the same for both gates); W = 4 runs every
+    strategy through the Pallas kernels (test_cp_varlen_pallas_interpret), relay's
+    hand-offs across a sequence of 3+ devices included."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
                        n_states=len(cu) - 1, seed=W)
@@ -161,16 +163,17 @@ def test_cp_pallas_gradients_trace_under_check_vma(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind, W, strategy", [
-    *((kind, W, "allgather") for kind in ("gdn", "kda") for W in (4, 8)),
-    ("gdn", 4, "all_to_all"), ("gdn", 4, "relay")])
+    ("gdn", 4, "allgather"), ("kda", 4, "allgather"), ("gdn", 4, "all_to_all"),
+    ("gdn", 4, "relay")])
 def test_cp_varlen_pallas_interpret(kind, W, strategy):
-    """The layouts of 4 and 8 devices (first, middle and last devices; a start on a device
-    boundary; a sequence across several devices) through the Pallas kernels in interpret
-    mode (which needs shard_map's check_vma=False in JAX 0.11), against the reference (the
+    """The layout of 4 devices (first, middle and last devices; a start on a device
+    boundary; a sequence across several devices: what each device's kernels see at W = 8
+    too, which the XLA stages run) through the Pallas kernels in interpret mode (which
+    needs shard_map's check_vma=False in JAX 0.11), against the reference (the
     single-device kernels meet it in test_chunk, and CP equals one device on the XLA
     stages here and to 1e-6 through the kernels in the bf16 test above). allgather meets
-    both gates' kernels at W = 4 and 8; all_to_all and relay, which run the same stages
-    for either gate, meet GDN's at W = 4."""
+    both gates' kernels; all_to_all and relay, which run the same stages for either gate,
+    meet GDN's."""
     T_local, cu = LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 16,
                        n_states=len(cu) - 1, seed=W + 10)
@@ -213,9 +216,9 @@ def _sequence(out, grads, s: slice, n: int):
     (kind, *case) for kind in ("gdn", "kda") for case in (
         ("allgather", "contiguous", None, None), ("allgather", "zigzag", None, None),
         ("relay", "contiguous", None, None), ("all_to_all", "contiguous", None, None),
-        (None, None, None, None), ("allgather", "contiguous", None, 2),
-        (None, None, None, 4))]
-    + [("kda", "allgather", "zigzag", "interpret", None)])
+        (None, None, None, None))]
+    + [("kda", "allgather", "contiguous", None, 2), ("gdn", None, None, None, 4),
+       ("kda", "allgather", "zigzag", "interpret", None)])
 def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend, segments):
     """A NaN or Inf in one packed sequence reaches no other: B's o, final state and every
     gradient are finite and those of the run without them (a sequence start selects, never
