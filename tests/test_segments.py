@@ -91,3 +91,30 @@ def test_segments_by_shape():
     assert pick(gate=Gate.CHANNEL, across_devices=True) == pick(across_devices=True) == 4
     assert choose_segments(3, backend="xla", gate=Gate.CHANNEL, across_devices=False, batch=1,
                            heads=1, k_dim=16, v_dim=16, piece_len=48) == 3
+
+
+@pytest.mark.parametrize("strategy, cp_layout, expected", [
+    (None, None, dict(piece_len=64, heads=4, across_devices=False)),
+    ("allgather", "contiguous", dict(piece_len=32, heads=4, across_devices=True)),
+    ("allgather", "zigzag", dict(piece_len=16, heads=4, across_devices=True)),
+    ("all_to_all", "contiguous", dict(piece_len=64, heads=2, across_devices=False))])
+def test_segments_chosen_for_each_piece(strategy, cp_layout, expected, monkeypatch):
+    """The op asks the rule about the piece it runs: its length, its value heads and whether
+    an all-gather joins it to other devices' pieces."""
+    import jaxcp.ops
+    from test_cp import mesh_of
+    asked = []
+    monkeypatch.setattr(jaxcp.ops, "choose_segments",
+                        lambda segments, **kw: asked.append(kw) or 1)
+    q, k, v, g, beta, _ = make_inputs("kda", 1, 64, 2, 4, 16, 32)
+    op = OPS["kda"][0]
+    if strategy is None:
+        op(q, k, v, g, beta, backend="xla")
+    else:
+        seq = jax.sharding.PartitionSpec(None, "seq")
+        body = lambda *xs: op(*xs, backend="xla", cp_axis="seq", cp_strategy=strategy,
+                              cp_layout=cp_layout)[0]
+        jax.jit(jax.shard_map(body, mesh=mesh_of(2), in_specs=(seq,) * 5,
+                              out_specs=seq))(q, k, v, g, beta)
+    assert asked == [dict(backend="xla", gate=Gate.CHANNEL, batch=1, k_dim=16, v_dim=32,
+                          **expected)]
