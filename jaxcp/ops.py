@@ -76,8 +76,8 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
             for x in (q, k))
     pieces_in, layouts, unchunks = [], [], []
     for p in local:
-        # a piece's tokens as the rows of its segments, [B S, P / S, ...]
-        rows = lambda x, p=p: to_rows(x if len(local) == 1 else x[:, p.offset:p.offset + p.length], S)
+        cut = (lambda x: x) if len(local) == 1 else (lambda x: x[:, p.offset:p.offset + p.length])
+        rows = lambda x: to_rows(cut(x), S)    # the piece's segments as rows [B S, P / S, ...]
         layout, token_maps = segment_layouts(B, piece_len, S, chunk_size, cu_seqlens, p.start,
                                              T * world)
         if impl.token_major:

@@ -262,19 +262,20 @@ def placed(xs, mesh, cp_layout: str) -> tuple:
 
 
 def op_call(op: str, cu, backend: str, strategy: str = "none", cp_layout: str = "contiguous",
-            mesh=None):
+            mesh=None, **op_kw):
     """(q, k, v, g, beta) -> o of jaxcp's op (``benchmarks.bench.kernels.jaxcp_op``) for the
     packed sequences cu: strategy "none" on one device; otherwise with CP over the mesh's
-    AXIS, shard_map'd with the inputs and o split along T in cp_layout."""
+    AXIS, shard_map'd with the inputs and o split along T in cp_layout. op_kw: further
+    keyword arguments of the op."""
     import jax
     from jax.sharding import PartitionSpec as P
     from benchmarks.bench.kernels import jaxcp_op
 
     fn = jaxcp_op(op)
     if strategy == "none":
-        return lambda *xs: fn(*xs, cu_seqlens=cu, backend=backend)[0]
+        return lambda *xs: fn(*xs, cu_seqlens=cu, backend=backend, **op_kw)[0]
     body = lambda *xs: fn(*xs, cu_seqlens=cu, backend=backend, cp_axis=AXIS,
-                          cp_strategy=strategy, cp_layout=cp_layout)[0]
+                          cp_strategy=strategy, cp_layout=cp_layout, **op_kw)[0]
     seq = P(None, AXIS)
     return jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 5, out_specs=seq,
                          check_vma=backend != "interpret")

@@ -5,10 +5,10 @@
     python -m benchmarks.pages docs/benchmarks/segments.json                   # segments.md
 
 Inputs as ``kernels`` times them (one sequence, q, k, v bf16, q and k normalised in the op,
-backend "pallas"), per --configs shape T:H:D and op: the forward and the forward+backward for
-every count of --segments (1: the unsplit op) and for the op's own choice ("auto",
-segments=None: ``choose_segments``), compiled side by side and timed in turn
-(``timing.time_side_by_side``).
+backend "pallas"), per --configs shape T:H:D and op: the forward and the forward+backward
+(``bench.cp.jitted``: a cotangent of ones) for every count of --segments (1: the unsplit op)
+and for the op's own choice ("auto", segments=None: ``choose_segments``), compiled side by
+side and timed in turn (``timing.time_side_by_side``).
 
 With --devices W > 1, the T tokens split over W GPUs instead (allgather, contiguous and
 zigzag layouts), each device's pieces in segments.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 from benchmarks.bench.cp import comma_list
-from benchmarks.bench.kernels import jaxcp_inputs, jaxcp_op
+from benchmarks.bench.kernels import jaxcp_inputs
 from benchmarks.records import saver
 from jaxcp.cli import OneLineParser
 
@@ -41,43 +41,25 @@ def chosen_segments(op: str, piece_len: int, H: int, D: int, across_devices: boo
                            k_dim=D, v_dim=D, piece_len=piece_len)
 
 
-def _calls(op: str, mesh, cp_layout: str | None):
-    """segments -> (q, k, v, g, beta) -> o: one device (cp_layout None), or CP over the
-    mesh's axis in cp_layout (``bench.cp.op_call``'s shard_map)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-    from benchmarks.bench.cp import AXIS
-
-    fn = jaxcp_op(op)
-    kw = dict(use_qk_l2norm_in_kernel=True, backend="pallas")
-    if cp_layout is None:
-        return lambda segments: lambda *xs: fn(*xs, **kw, segments=segments)[0]
-    seq = P(None, AXIS)
-    return lambda segments: jax.shard_map(
-        lambda *xs: fn(*xs, **kw, segments=segments, cp_axis=AXIS, cp_layout=cp_layout)[0],
-        mesh=mesh, in_specs=(seq,) * 5, out_specs=seq)
-
-
 def measure(op: str, T: int, H: int, D: int, counts, iters: int, W: int = 1) -> list[dict]:
     """Records of one shape, for every count and "auto": on one device, or with W > 1 under
     CP (allgather, both layouts, T tokens over W devices)."""
     import jax
     from benchmarks.bench import cp
-    from benchmarks.timing import forward_backward, time_side_by_side
+    from benchmarks.timing import time_side_by_side
 
-    q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
-    one = (q, k, v, g, beta)
+    one = jaxcp_inputs(op, T, H, D)[:5]
     mesh = cp.seq_mesh(W) if W > 1 else None
     settings = [(1, None)] if W == 1 else [(W, layout) for layout in cp.CP_LAYOUTS]
     jobs = []         # (W, layout, segments, pass, jitted function, inputs)
     for w, layout in settings:
-        calls = _calls(op, mesh, layout)
         xs = one if layout is None else cp.placed(one, mesh, layout)
         for segments in [*counts, "auto"]:
-            call = calls(None if segments == "auto" else segments)
-            jobs += [(w, layout, segments, "fwd", jax.jit(call), xs),
-                     (w, layout, segments, "fwd+bwd",
-                      jax.jit(forward_backward(call, range(5))), xs)]
+            call = cp.op_call(op, None, "pallas", "none" if layout is None else "allgather",
+                              layout or "contiguous", mesh, use_qk_l2norm_in_kernel=True,
+                              segments=None if segments == "auto" else segments)
+            jobs += [(w, layout, segments, passes, cp.jitted(call, passes), xs)
+                     for passes in PASSES]
     out = []
     timed = time_side_by_side([(f, xs) for *_, f, xs in jobs], iters)
     for (w, layout, segments, passes, _, _), t in zip(jobs, timed):
