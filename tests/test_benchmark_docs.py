@@ -70,6 +70,23 @@ def test_kernel_page_says_when_the_gate_is_computed_in_the_op():
     assert "gate computed in the op" in kernels.markdown(gated)
 
 
+def test_kernel_page_sets_jaxcp_against_flashqla_where_it_ran():
+    """FlashQLA's columns (with and without its split) and a pallas / FlashQLA ratio beside
+    FLA's; a shape FlashQLA did not take shows "-"."""
+    from benchmarks.bench import kernels
+    row = dict(op="gdn", K=128, V=128, H=2, device="NVIDIA H200", **{"pass": "fwd"})
+    records = [dict(row, impl="jaxcp-pallas", T=8, ms=3.0), dict(row, impl="fla", T=8, ms=4.0),
+               dict(row, impl="flashqla", T=8, ms=2.0, flashqla="0.1.3"),
+               dict(row, impl="flashqla-nocp", T=8, ms=2.5, flashqla="0.1.3"),
+               dict(row, impl="jaxcp-pallas", T=16, ms=3.0), dict(row, impl="fla", T=16, ms=4.0)]
+    text = kernels.markdown(records)
+    assert "| jaxcp-pallas | fla | flashqla | flashqla-nocp | pallas / FLA | pallas / FlashQLA |" \
+        in text
+    assert "| 8 | 2 | 128 | fwd | 3.00 | 4.00 | 2.00 | 2.50 | 0.75x | 1.50x |" in text
+    assert "| 16 | 2 | 128 | fwd | 3.00 | 4.00 | - | - | 0.75x | - |" in text
+    assert "FlashQLA 0.1.3" in text
+
+
 def test_cp_page_has_a_section_per_op_and_a_target_row_per_layout():
     """GDN and KDA each get their tables; allgather's zigzag row is set against the one
     all_to_all run; a record without a layout (older files) is contiguous."""
@@ -98,7 +115,9 @@ def test_cp_page_has_a_section_per_op_and_a_target_row_per_layout():
     *(("cp", f) for f in (["--ops", "gla"], ["--cp-layouts", "striped"],
                           ["--strategies", "ring"], ["--T", "0"])),
     *(("segments", f) for f in (["--ops", "gla"], ["--configs", "8:2"], ["--devices", "0"],
-                                ["--segments", "0"]))])
+                                ["--segments", "0"])),
+    *(("kernels", f) for f in (["--impls", "jaxcp-mosaic"], ["--impls", "flashqla", "--op", "kda"],
+                               ["--compile-threads", "0"]))])
 def test_bench_flag_errors(tool, flags, capsys):
     """Bad flags of a benchmark tool: exit code 2 and one line naming the flag, before any
     run."""

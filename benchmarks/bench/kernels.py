@@ -10,10 +10,17 @@ L2-normalised q/k.
 (use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``GATE_IN_KERNEL``);
 its records carry gate_in_kernel, and belong in a file of their own.
 
-FLA (flash-linear-attention, PyTorch + Triton) runs in a child process of the same run on the
-same GPU, before JAX takes the device; it is skipped (with a note) when it cannot be imported.
-FLA is timed with q, k normalised by torch (F.normalize before the op) and by its
-fused kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``).
+The PyTorch implementations run in a child process of the same run on the same GPU, before
+JAX takes the device: FLA (flash-linear-attention, Triton; impl "fla") and, for GDN, FlashQLA
+(TileLang; "flashqla" with its in-device split of one sequence, ``auto_cp=True``, and
+"flashqla-nocp" without it). FLA 0.6 would hand GDN to FlashQLA where FlashQLA is installed;
+the child turns that off (FLA_FLASH_QLA=0), so "fla" is FLA's own Triton path. An
+implementation that cannot be imported, or a shape it does not take (FlashQLA: K = V = 128
+only), is skipped with a note.
+Each is timed with q, k normalised by torch (F.normalize before the op) and by its fused
+kernel (use_qk_l2norm_in_kernel=True); its record is the faster (``fla_l2norm``). Their
+forward runs with autograd off (torch.no_grad), as jaxcp's jitted forward saves nothing for
+a backward.
 jaxcp normalises inside the op (use_qk_l2norm_in_kernel=True); both include the norm's backward.
 A call is the jitted forward (returns o) or forward+backward (o, then the gradients of q, k,
 v, g, beta for a random output cotangent by jax.vjp: ``benchmarks.timing.forward_backward``,
@@ -36,12 +43,14 @@ import subprocess
 import sys
 
 from benchmarks.records import saver
+from jaxcp.cli import OneLineParser
 
 CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V)
 CHUNK = 64
 # measured on H100 and H200: memory bytes/s, dense bf16 FLOP/s
 PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
-IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla")
+IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla", "flashqla", "flashqla-nocp")
+TORCH_IMPLS = ("fla", "flashqla", "flashqla-nocp")
 # KDA's gate computed in the op (--gate-in-kernel), on both sides: the raw gate is the
 # benchmark's g, A_log and dt_bias are zeros
 GATE_IN_KERNEL = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
@@ -70,39 +79,81 @@ def jaxcp_inputs(op: str, T: int, H: int, D: int):
     return q, k, v, g, beta, r(1, T, H, D)
 
 
-def run_fla(op: str, configs, iters: int, gate_in_kernel: bool = False) -> list[dict]:
+def torch_op(impl: str, op: str):
+    """The PyTorch op of a torch implementation: FLA's, or FlashQLA's GDN with
+    (impl "flashqla") or without ("flashqla-nocp") its in-device split."""
+    if impl == "fla":
+        from benchmarks import fla
+        return fla.op(op)
+    if op != "gdn":
+        raise ValueError(f"impl {impl!r} has GDN only, not {op!r}")
+    import functools
+    import flash_qla
+    return functools.partial(flash_qla.chunk_gated_delta_rule, auto_cp=impl == "flashqla")
+
+
+def torch_version(impl: str) -> str:
+    import importlib
+    module = importlib.import_module("fla" if impl == "fla" else "flash_qla")
+    return getattr(module, "__version__", "?")
+
+
+def run_torch(impls, op: str, configs, iters: int, gate_in_kernel: bool = False) -> list[dict]:
+    """Time the torch implementations (``TORCH_IMPLS``) on each shape and pass; one that
+    cannot be imported, or a shape one refuses, is reported on stderr and left out."""
+    os.environ["FLA_FLASH_QLA"] = "0"     # "fla": FLA's own kernels, not its FlashQLA backend
     import torch
     import torch.nn.functional as F
     import triton
     from benchmarks import fla
 
-    fla_op = fla.op(op)
     out = []
-    for T, H, D in configs:
-        q, k, v, g, beta = fla.inputs(op, T, H, D)
-        gate = {}
-        if gate_in_kernel:
-            zeros = lambda n: torch.zeros(n, device="cuda")
-            gate = dict(GATE_IN_KERNEL, A_log=zeros(H), dt_bias=zeros(H * D))
-        # two ways to normalise q, k: torch before the op or FLA's fused
-        # kernel; FLA is credited with the faster of the two
-        fwds = {"torch": lambda: fla_op(F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1),
-                                        v, g, beta, **gate)[0],
-                "in-kernel": lambda: fla_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                            **gate)[0]}
-        do = torch.randn_like(fwds["torch"]())
-        bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
-                                                   return_mode="median")
-        calls = {"fwd": lambda fwd: fwd, "fwd+bwd": lambda fwd: lambda: fwd().backward(do)}
-        for passes in ("fwd", "fwd+bwd"):
-            times = {how: bench(calls[passes](fwd)) for how, fwd in fwds.items()}
-            how = min(times, key=times.get)
-            out.append(dict(op=op, impl="fla", T=T, H=H, K=D, V=D, **{"pass": passes},
-                            ms=times[how], peak_bytes=fla.peak_bytes(calls[passes](fwds[how])),
-                            fla_l2norm=how, device=torch.cuda.get_device_name(),
-                            fla=fla.version(), **_gate_field(gate_in_kernel)))
-            print(f"fla T={T} H={H} D={D} {passes}: " + ", ".join(
-                f"l2norm {h} {t:.3f} ms" for h, t in times.items()), file=sys.stderr, flush=True)
+    for impl in impls:
+        try:
+            impl_op, version = torch_op(impl, op), torch_version(impl)
+        except ImportError as e:
+            print(f"{impl} not run: {e}", file=sys.stderr, flush=True)
+            continue
+        for T, H, D in configs:
+            q, k, v, g, beta = fla.inputs(op, T, H, D)
+            gate = {}
+            if gate_in_kernel:
+                zeros = lambda n: torch.zeros(n, device="cuda")
+                gate = dict(GATE_IN_KERNEL, A_log=zeros(H), dt_bias=zeros(H * D))
+            # two ways to normalise q, k: torch before the op or the op's fused kernel;
+            # the implementation is credited with the faster of the two
+            fwds = {"torch": lambda: impl_op(F.normalize(q, p=2, dim=-1),
+                                             F.normalize(k, p=2, dim=-1), v, g, beta, **gate)[0],
+                    "in-kernel": lambda: impl_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                 **gate)[0]}
+            try:
+                do = torch.randn_like(fwds["torch"]())
+            except Exception as e:   # a shape the implementation does not take
+                print(f"{impl} T={T} H={H} D={D}: not run: {type(e).__name__}: "
+                      f"{str(e)[:200]}", file=sys.stderr, flush=True)
+                continue
+            bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
+                                                       return_mode="median")
+
+            def no_grad(fwd):
+                def call():
+                    with torch.no_grad():
+                        return fwd()
+                return call
+
+            calls = {"fwd": no_grad, "fwd+bwd": lambda fwd: lambda: fwd().backward(do)}
+            for passes in ("fwd", "fwd+bwd"):
+                times = {how: bench(calls[passes](fwd)) for how, fwd in fwds.items()}
+                how = min(times, key=times.get)
+                out.append(dict(op=op, impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
+                                ms=times[how],
+                                peak_bytes=fla.peak_bytes(calls[passes](fwds[how])),
+                                fla_l2norm=how, device=torch.cuda.get_device_name(),
+                                **{"fla" if impl == "fla" else "flashqla": version},
+                                **_gate_field(gate_in_kernel)))
+                print(f"{impl} T={T} H={H} D={D} {passes}: " + ", ".join(
+                    f"l2norm {h} {t:.3f} ms" for h, t in times.items()),
+                    file=sys.stderr, flush=True)
     return out
 
 
@@ -192,35 +243,45 @@ def impls_of(records: list[dict]) -> list[str]:
 
 
 def markdown(records: list[dict]) -> str:
-    """Title, setting, one row per shape and pass (ms per implementation, pallas / FLA and
-    the floor), and how the floor is counted."""
-    device = next((r["device"] for r in records if r["impl"] != "fla"), records[0]["device"])
+    """Title, setting, one row per shape and pass (ms per implementation, pallas / FLA,
+    pallas / FlashQLA where it ran, and the floor), and how the floor is counted."""
+    device = next((r["device"] for r in records if r["impl"] not in TORCH_IMPLS),
+                  records[0]["device"])
     jax = next((r["jax"] for r in records if r.get("jax")), "?")
     fla = next((r["fla"] for r in records if r.get("fla")), "not run")
+    flashqla = next((r["flashqla"] for r in records if r.get("flashqla")), None)
     names = impls_of(records)
+    against = [a for a in ("fla", "flashqla") if a in names]
+    against_names = {"fla": "FLA", "flashqla": "FlashQLA"}
     op = op_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
     peak = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r.get("peak_bytes")
             for r in records}
     with_peaks = any(v is not None for v in peak.values())
     lines = [f"# {op.upper()} kernel benchmark", "",
-             f"Device: {device}; jax {jax}; FLA {fla}. B = 1, bf16, q/k L2-normalised, "
+             f"Device: {device}; jax {jax}; FLA {fla}"
+             + (f"; FlashQLA {flashqla} (flashqla: its in-device split on, flashqla-nocp: off)"
+                if flashqla else "") + ". B = 1, bf16, q/k L2-normalised, "
              "median ms per call" + (", and peak GiB per call (jaxcp: the compiled call's "
-                                     "arguments, outputs and temporaries; FLA: the allocator's "
-                                     "peak over one call)" if with_peaks else "") + "."
-             + gate_in_kernel_text(records), "",
-             "| T | H | K=V | pass | " + " | ".join(names) + " | pallas / FLA | floor |"
+                                     "arguments, outputs and temporaries; "
+                                     + " and ".join(against_names[a] for a in against)
+                                     + ": the allocator's peak over one call)"
+                                     if with_peaks else "")
+             + "." + gate_in_kernel_text(records), "",
+             "| T | H | K=V | pass | " + " | ".join(names) + " | "
+             + " | ".join(f"pallas / {against_names[a]}" for a in against) + " | floor |"
              + (" peak GiB " + " / ".join(names) + " |" if with_peaks else ""),
-             "|---|---|---|---|" + "---|" * len(names) + "---|---|"
+             "|---|---|---|---|" + "---|" * (len(names) + len(against)) + "---|"
              + ("---|" if with_peaks else "")]
     for T, H, D in shapes(records):
         for passes in ("fwd", "fwd+bwd"):
             vals = [ms.get((i, T, H, D, passes)) for i in names]
-            p, f = ms.get(("jaxcp-pallas", T, H, D, passes)), ms.get(("fla", T, H, D, passes))
-            ratio = f"{p / f:.2f}x" if p and f else "-"
+            p = ms.get(("jaxcp-pallas", T, H, D, passes))
+            ratios = [ms.get((a, T, H, D, passes)) for a in against]
             row = (f"| {T} | {H} | {D} | {passes} | "
-                   + " | ".join("-" if v is None else f"{v:.2f}" for v in vals)
-                   + f" | {ratio} | {floor_ms(op, T, H, D, passes, device):.2f} |")
+                   + " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + " | "
+                   + " | ".join(f"{p / f:.2f}x" if p and f else "-" for f in ratios)
+                   + f" | {floor_ms(op, T, H, D, passes, device):.2f} |")
             if with_peaks:
                 gib = [peak.get((i, T, H, D, passes)) for i in names]
                 row += " " + " / ".join("-" if b is None else f"{b / 2**30:.2f}"
@@ -233,12 +294,13 @@ def markdown(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench.kernels",
+    ap = OneLineParser(prog="python -m benchmarks.bench.kernels",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("gdn", "kda"), default="gdn")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
-    ap.add_argument("--impls", default="jaxcp-pallas,jaxcp-xla,fla")
+    ap.add_argument("--impls", default="jaxcp-pallas,jaxcp-xla,fla",
+                    help="comma list of " + ", ".join(IMPLS) + " (flashqla*: GDN only)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile-threads", type=int, default=8,
                     help="programs compiled at once (1: one at a time)")
@@ -246,7 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gate-in-kernel", action="store_true",
                     help="KDA: both sides compute the gate from the raw g in the op "
                          "(use_gate_in_kernel, safe_gate, lower_bound -5)")
-    ap.add_argument("--fla-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_threads < 1:
         ap.error("--compile-threads must be positive")
@@ -259,29 +321,39 @@ def main(argv=None) -> int:
     configs = CONFIGS if not args.configs else [
         tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     impls = args.impls.split(",")
-    if args.fla_child:
-        json.dump(run_fla(args.op, configs, args.iters, args.gate_in_kernel), sys.stdout)
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
+    torch_impls = [i for i in impls if i in TORCH_IMPLS]
+    if args.op != "gdn" and any(i.startswith("flashqla") for i in torch_impls):
+        ap.error("--impls: flashqla is GDN only (--op gdn)")
+    if args.torch_child:
+        json.dump(run_torch(torch_impls, args.op, configs, args.iters, args.gate_in_kernel),
+                  sys.stdout)
         return 0
     records = []
     fla_version = "not run"
-    if "fla" in impls:
-        # a child process, so that FLA (torch) has the GPU to itself before JAX starts
-        child = subprocess.run([sys.executable, "-m", __spec__.name, "--fla-child",
+    if torch_impls:
+        # a child process, so that torch has the GPU to itself before JAX starts
+        child = subprocess.run([sys.executable, "-m", __spec__.name, "--torch-child",
                                 "--op", args.op, "--iters", str(args.iters),
+                                "--impls", ",".join(torch_impls),
                                 "--configs", ",".join(":".join(map(str, c)) for c in configs)]
                                + (["--gate-in-kernel"] if args.gate_in_kernel else []),
                                stdout=subprocess.PIPE, text=True)
         if child.returncode == 0:
-            fla_records = json.loads(child.stdout)
-            records += fla_records
-            fla_version = fla_records[0]["fla"] if fla_records else fla_version
+            torch_records = json.loads(child.stdout)
+            records += torch_records
+            fla_version = next((r["fla"] for r in torch_records if r.get("fla")), fla_version)
         else:
-            print(f"FLA not run (exit {child.returncode}); see its messages above", flush=True)
+            print(f"PyTorch implementations not run (exit {child.returncode}); see their "
+                  "messages above", flush=True)
 
     save = saver(args.json, records)
     save()
-    records += run_jaxcp(args.op, configs, [i for i in impls if i != "fla"], args.iters,
-                         fla_version, save, args.compile_threads, args.gate_in_kernel)
+    records += run_jaxcp(args.op, configs, [i for i in impls if i not in TORCH_IMPLS],
+                         args.iters, fla_version, save, args.compile_threads,
+                         args.gate_in_kernel)
     save()
     print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
     for r in records:
