@@ -1,6 +1,8 @@
 """Inputs, error measures and losses shared by the tests."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -94,3 +96,11 @@ def whole_causal_attention(q, k, v):
     pos = jnp.arange(q.shape[1])
     zero = jnp.zeros_like(pos)
     return blockwise_attention(q, k, v, pos, zero, pos, zero, block_q=8, block_k=8)
+
+
+def xla_flags_with_devices(n: int) -> str:
+    """This process's XLA_FLAGS (conftest's compile settings) with n fake CPU devices, for a
+    child process."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])

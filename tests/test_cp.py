@@ -52,12 +52,11 @@ def compare(kind, W, strategy, args, cu, *, check_vma=True, tol=1e-4, backend=No
 
 
 @pytest.mark.parametrize("kind, W, strategy", [
-    *((kind, W, s) for kind in ("gdn", "kda")
-      for W, s in ((2, "allgather"), (2, "all_to_all"), (2, "relay"), (8, "allgather"))),
-    ("gdn", 8, "all_to_all")])
+    *((kind, 2, s) for kind in ("gdn", "kda") for s in ("allgather", "all_to_all", "relay")),
+    ("gdn", 8, "allgather"), ("gdn", 8, "all_to_all")])
 def test_cp_varlen(kind, W, strategy):
-    """The strategies on the XLA stages with check_vma on (all_to_all's one head per device
-    at W = 8 through GDN: the head split is the same for both gates); W = 4 runs every
+    """The strategies on the XLA stages with check_vma on; W = 8 through GDN (the merge of
+    the maps and all_to_all's one head per device are the same for both gates); W = 4 runs every
     strategy through the Pallas kernels (test_cp_varlen_pallas_interpret), relay's
     hand-offs across a sequence of 3+ devices included."""
     T_local, cu = LAYOUTS[W]
@@ -75,11 +74,13 @@ ZIGZAG_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("W, strategy", [(4, "allgather"), (4, "all_to_all"), (8, "allgather")])
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind, W, strategy", [
+    *((kind, 4, s) for kind in ("gdn", "kda") for s in ("allgather", "all_to_all")),
+    ("gdn", 8, "allgather")])
 def test_cp_zigzag_varlen(kind, W, strategy):
     """The zigzag layout (device r holds pieces r and 2W - 1 - r) equals the reference and
-    one device: o, final states and every gradient, initial states included."""
+    one device: o, final states and every gradient, initial states included (W = 8 through
+    GDN, as above)."""
     T_local, cu = ZIGZAG_LAYOUTS[W]
     args = make_inputs(kind, 1, W * T_local, 8 if strategy == "all_to_all" else 2, 8, 16, 32,
                        n_states=len(cu) - 1, seed=W + 20)

@@ -98,22 +98,22 @@ def assert_same_run(two, one, step: int):
 def test_train_two_processes_is_one_process(tmp_path):
     """--mesh data=1,seq=8 over two processes (the sequence crosses them) trains the run one
     process with 8 devices trains: loss per step and final parameters."""
-    flags = ["--mesh", "data=1,seq=8", "--steps", "3", "--ckpt-every", "3"]
+    flags = ["--mesh", "data=1,seq=8", "--steps", "2", "--ckpt-every", "2"]
     run_together(processes(TRAIN + flags + ["--run-dir", str(tmp_path / "two")]))
     run_together([TRAIN + flags + ["--run-dir", str(tmp_path / "one")]])
-    assert_same_run(tmp_path / "two", tmp_path / "one", 3)
+    assert_same_run(tmp_path / "two", tmp_path / "one", 2)
 
 
 def test_train_data_axis_across_processes_resumes(tmp_path):
-    """--mesh data=2,seq=4: each process holds one data row. Two steps, then --resume to four
-    in two processes again: the trajectory of one process running four steps (one GDN block:
-    the attention blocks across processes are the test above's)."""
+    """--mesh data=2,seq=4: each process holds one data row. Two steps, then --resume to three
+    in two processes again: the trajectory of one process running three steps (one GDN
+    block: the attention blocks across processes are the test above's)."""
     flags = ["--mesh", "data=2,seq=4", "--ckpt-every", "2", "--layers", "gdn"]
     two = ["--run-dir", str(tmp_path / "two")]
     run_together(processes(TRAIN + flags + two + ["--steps", "2"]))
-    run_together(processes(TRAIN + flags + two + ["--steps", "4", "--resume"]))
-    run_together([TRAIN + flags + ["--run-dir", str(tmp_path / "one"), "--steps", "4"]])
-    assert_same_run(tmp_path / "two", tmp_path / "one", 4)
+    run_together(processes(TRAIN + flags + two + ["--steps", "3", "--resume"]))
+    run_together([TRAIN + flags + ["--run-dir", str(tmp_path / "one"), "--steps", "3"]])
+    assert_same_run(tmp_path / "two", tmp_path / "one", 3)
 
 
 @pytest.mark.parametrize("flags,message", [

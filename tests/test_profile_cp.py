@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from benchmarks.profile import cp
+from helpers import xla_flags_with_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,7 +66,7 @@ def test_no_gpu_plane_gives_no_kernels():
 
 def test_runs_on_cpu_devices_and_says_there_is_no_table():
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=xla_flags_with_devices(2))
     out = subprocess.run([sys.executable, "-m", "benchmarks.profile.cp", "--backend", "xla",
                           "--T", "256", "--H", "2", "--D", "16", "--devices", "2",
                           "--calls", "1"], cwd=ROOT, env=env, capture_output=True, text=True,

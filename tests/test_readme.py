@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+from helpers import xla_flags_with_devices
+
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 
 CHECK = """
@@ -27,7 +29,7 @@ def quick_start_blocks() -> list[str]:
 def test_readme_quick_start_runs_as_printed():
     blocks = quick_start_blocks()
     assert len(blocks) >= 4
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4),
                JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", "\n".join(blocks) + CHECK], env=env,
                          capture_output=True, text=True, timeout=600)
