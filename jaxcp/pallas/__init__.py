@@ -1,3 +1,3 @@
 """Pallas GPU kernels, twins of the ``jaxcp.xla`` stages, one package per lowering:
-``triton`` (Triton, through jaxlib). Another lowering (Mosaic GPU) is a sibling package
-with the same layout: ``common``, ``gdn``, ``kda``."""
+``triton`` (Triton, through jaxlib; every backend's kernels today) and ``mosaic`` (Mosaic
+GPU, its first kernels), each laid out as ``common``, ``gdn``, ``kda``."""

@@ -1,0 +1,153 @@
+"""The forward chunk state recurrence (GDN's scalar gate) as one Mosaic GPU kernel: the twin
+of ``jaxcp.xla.state.state_fwd``, with its signature and layout (chunks on axis 0, then batch
+B and value heads HV; plain terms, chunk layout).
+
+One program per (batch row b, value head hv, block of BV state columns) holds its [K, BV]
+slice of the state S in float32 registers (the wgmma accumulator layout) and runs the
+chunks in order:
+
+    S_c   = init[seq_c] if starts_c else S          (zero without init)
+    vn_c  = u_c - w_c S_c                           [C, BV]
+    S     = decay_c S_c + kd_c^T vn_c               [K, BV]
+
+w_c and kd_c [C, K] arrive in shared memory by TMA; S_c and vn_c are written there in the
+operand dtype (bf16 or f16, as the Triton kernels' bf16 products) for the two wgmma
+products, which accumulate in float32. u, the scalars and the initial states are read from
+global memory into registers; h (the state entering each chunk), vn and the last state go
+out through float32 tiles in shared memory by TMA.
+
+Shapes: w, kd [NT, B, HV, C, K] bf16 or f16; u [NT, B, HV, C, V]; decay [NT, B, HV, 1];
+layout.chunk_starts, chunk_seq [NT, B]; init [N, HV, K, V] or None; h0 [B, HV, K, V]. Returns
+h [NT, B, HV, K, V], v_new [NT, B, HV, C, V] and the last state [B, HV, K, V], float32.
+C, K and V are multiples of 64 (wgmma's tile); the first version is synchronous: each
+chunk's copies are waited for before its products.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxcp.layout import ChunkLayout
+from jaxcp.terms import ChunkTerms
+
+SWIZZLE_BYTES = 128
+OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclass(frozen=True)
+class StateBlocks:
+    """block_cols: state columns per program (BV), a multiple of 64 dividing V."""
+    block_cols: int = 64
+
+
+def _operand_smem(shape: tuple[int, int], dtype) -> plgpu.SMEM:
+    """A wgmma operand tile in shared memory: 8-row tiles of 128 bytes, 128-byte swizzle."""
+    transforms = (plgpu.TilingTransform((8, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)),
+                  plgpu.SwizzleTransform(SWIZZLE_BYTES))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _check(terms: ChunkTerms, block_cols: int) -> None:
+    NT, B, HV, C, K = terms.w.shape
+    V = terms.u.shape[-1]
+    if terms.decay.shape[-1] != 1:
+        raise ValueError(f"the Mosaic state kernel takes the scalar gate (decay [..., 1]), "
+                         f"got decay {tuple(terms.decay.shape)}")
+    if terms.q_rows is not None:
+        raise ValueError("the Mosaic state kernel takes plain terms, not row-factored ones")
+    for name, n in (("C", C), ("K", K), ("V", V), ("block_cols", block_cols)):
+        if n % 64:
+            raise ValueError(f"the Mosaic state kernel needs {name} a multiple of 64, got {n}")
+    if V % block_cols:
+        raise ValueError(f"block_cols {block_cols} must divide V = {V}")
+    if terms.w.dtype not in OPERAND_DTYPES or terms.kd.dtype != terms.w.dtype:
+        raise TypeError(f"the Mosaic state kernel takes w and kd in one of bfloat16, float16 "
+                        f"(its products' operands), got {terms.w.dtype} and {terms.kd.dtype}")
+
+
+def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
+              *, blocks: StateBlocks = StateBlocks(), interpret: bool = False):
+    """h [NT, B, HV, K, V] (the state entering each chunk), v_new [NT, B, HV, C, V] and the
+    state after the last chunk [B, HV, K, V], float32 (module docstring). interpret: run in
+    Mosaic GPU's interpret mode (any device)."""
+    NT, B, HV, C, K = terms.w.shape
+    V = terms.u.shape[-1]
+    BV = blocks.block_cols
+    _check(terms, BV)
+    operand = terms.w.dtype
+    f32 = jnp.float32
+    has_init = init is not None
+    acc_layout = plgpu.Layout.WGMMA
+
+    def kernel(w_g, u_g, kd_g, decay_g, starts_g, seq_g, init_g, h0_g,
+               h_g, vn_g, last_g, w_s, kd_s, s_s, vn_s, h_out, vn_out, copied):
+        b, hv, j = lax.axis_index("b"), lax.axis_index("hv"), lax.axis_index("j")
+        cols = pl.ds(j * BV, BV)
+
+        def tile(ref):
+            """A [rows, BV] tile of global memory into registers (element by element: jax
+            0.11.2 has no vectorised global load in this layout)."""
+            return plgpu.load(ref, layout=acc_layout, optimized=False)
+
+        def entering(c, S):
+            if has_init:
+                fresh = lambda: tile(init_g.at[plgpu.load(seq_g.at[c, b]), hv, :, cols])
+            else:
+                fresh = lambda: plgpu.layout_cast(jnp.zeros((K, BV), f32), acc_layout)
+            # a sequence start selects the fresh state: what came before never reaches it
+            return lax.cond(plgpu.load(starts_g.at[c, b]) != 0, fresh, lambda: S)
+
+        def product(a, b_, shape):
+            def run(acc):
+                plgpu.wgmma(acc, a, b_)
+                return acc[...]
+            return pl.run_scoped(run, plgpu.ACC(shape, f32))
+
+        def write(out_s, value, dst):
+            """value to global memory through shared memory (TMA), once out_s is free."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_s[...] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s, dst)
+
+        def chunk(c, S):
+            plgpu.copy_gmem_to_smem(w_g.at[c, b, hv], w_s, copied.at[0])
+            plgpu.copy_gmem_to_smem(kd_g.at[c, b, hv], kd_s, copied.at[1])
+            S = entering(c, S)
+            write(h_out, S, h_g.at[c, b, hv, :, cols])
+            s_s[...] = S.astype(operand)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(copied.at[0])
+            u = tile(u_g.at[c, b, hv, :, cols]).astype(f32)
+            vn = u - product(w_s, s_s, (C, BV))
+            write(vn_out, vn, vn_g.at[c, b, hv, :, cols])
+            vn_s[...] = vn.astype(operand)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(copied.at[1])
+            decay = plgpu.load(decay_g.at[c, b, hv])
+            return decay * S + product(kd_s.T, vn_s, (K, BV))
+
+        S0 = tile(h0_g.at[b, hv, :, cols])
+        write(h_out, lax.fori_loop(0, NT, chunk, S0), last_g.at[b, hv, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((NT, B, HV, K, V), f32),
+                  jax.ShapeDtypeStruct((NT, B, HV, C, V), f32),
+                  jax.ShapeDtypeStruct((B, HV, K, V), f32)),
+        scratch_types=[_operand_smem((C, K), operand), _operand_smem((C, K), operand),
+                       _operand_smem((K, BV), operand), _operand_smem((C, BV), operand),
+                       plgpu.SMEM((K, BV), f32), plgpu.SMEM((C, BV), f32),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=2)],
+        grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    init_arg = init.astype(f32) if has_init else jnp.zeros((1, HV, K, V), f32)
+    return call(terms.w, terms.u, terms.kd, terms.decay[..., 0].astype(f32),
+                layout.chunk_starts.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
+                init_arg, h0.astype(f32))
