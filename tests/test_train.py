@@ -43,8 +43,7 @@ def train_steps(data, seq, cp, steps=2, dtype=jnp.float32, cp_layout="contiguous
     return losses, params
 
 
-@pytest.mark.parametrize("data,seq,dtype,cp_layout", [(2, 2, jnp.float32, "contiguous"),
-                                                      (1, 4, jnp.bfloat16, "contiguous"),
+@pytest.mark.parametrize("data,seq,dtype,cp_layout", [(1, 4, jnp.bfloat16, "contiguous"),
                                                       (2, 4, jnp.float32, "zigzag")])
 def test_train_step_cp_equals_no_cp(data, seq, dtype, cp_layout):
     """Loss and updated parameters of two steps (the warmup's first learning rate is 0), CP
