@@ -23,8 +23,7 @@ def _panels(figsize, rows: int = 1):
 
 def kernels_png(records: list[dict], path: str) -> None:
     """Per pass, a group of bars per shape, one bar per implementation."""
-    device = next((r["device"] for r in records if r["impl"] not in kernels.TORCH_IMPLS),
-                  records[0]["device"])
+    device = kernels.device_of(records)
     keys, names = kernels.shapes(records), kernels.impls_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
     fig, axes = _panels((11, 4))

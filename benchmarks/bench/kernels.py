@@ -93,9 +93,22 @@ def torch_op(impl: str, op: str):
 
 
 def torch_version(impl: str) -> str:
-    import importlib
-    module = importlib.import_module("fla" if impl == "fla" else "flash_qla")
-    return getattr(module, "__version__", "?")
+    """The installed version of a torch implementation's package."""
+    if impl == "fla":
+        from benchmarks import fla
+        return fla.version()
+    import flash_qla
+    return getattr(flash_qla, "__version__", "?")
+
+
+def _without_grad(fwd):
+    """fwd called with autograd off: a forward that keeps nothing for a backward."""
+    import torch
+
+    def call():
+        with torch.no_grad():
+            return fwd()
+    return call
 
 
 def run_torch(impls, op: str, configs, iters: int, gate_in_kernel: bool = False) -> list[dict]:
@@ -134,14 +147,7 @@ def run_torch(impls, op: str, configs, iters: int, gate_in_kernel: bool = False)
                 continue
             bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(100, iters * 5),
                                                        return_mode="median")
-
-            def no_grad(fwd):
-                def call():
-                    with torch.no_grad():
-                        return fwd()
-                return call
-
-            calls = {"fwd": no_grad, "fwd+bwd": lambda fwd: lambda: fwd().backward(do)}
+            calls = {"fwd": _without_grad, "fwd+bwd": lambda fwd: lambda: fwd().backward(do)}
             for passes in ("fwd", "fwd+bwd"):
                 times = {how: bench(calls[passes](fwd)) for how, fwd in fwds.items()}
                 how = min(times, key=times.get)
@@ -242,11 +248,16 @@ def impls_of(records: list[dict]) -> list[str]:
     return [i for i in IMPLS if any(r["impl"] == i for r in records)]
 
 
+def device_of(records: list[dict]) -> str:
+    """The GPU the records ran on, as JAX names it (the torch records' name otherwise)."""
+    return next((r["device"] for r in records if r["impl"] not in TORCH_IMPLS),
+                records[0]["device"])
+
+
 def markdown(records: list[dict]) -> str:
     """Title, setting, one row per shape and pass (ms per implementation, pallas / FLA,
     pallas / FlashQLA where it ran, and the floor), and how the floor is counted."""
-    device = next((r["device"] for r in records if r["impl"] not in TORCH_IMPLS),
-                  records[0]["device"])
+    device = device_of(records)
     jax = next((r["jax"] for r in records if r.get("jax")), "?")
     fla = next((r["fla"] for r in records if r.get("fla")), "not run")
     flashqla = next((r["flashqla"] for r in records if r.get("flashqla")), None)
@@ -295,7 +306,7 @@ def markdown(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m benchmarks.bench.kernels",
-                                 description=__doc__.split("\n")[0])
+                       description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("gdn", "kda"), default="gdn")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
