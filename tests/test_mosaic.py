@@ -70,7 +70,7 @@ def test_state_fwd_interpret_equals_the_jnp_twin(with_init):
     assert all(rel_error(a, b) < 1e-2 for a, b in zip(out, exact))
 
 
-@pytest.mark.parametrize("V, block_cols", [(128, 64), (64, 64), (256, 128)])
+@pytest.mark.parametrize("V, block_cols", [(128, 64), (64, 64), (256, 64)])
 def test_state_fwd_lowers_for_cuda(V, block_cols):
     """The kernel lowers to a Mosaic GPU custom call for CUDA, from this CPU machine."""
     terms, layout, init, h0 = chunk_problem(V=V)
@@ -90,6 +90,9 @@ def test_state_fwd_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="K a multiple of 64"):
         short = chunk_problem(K=32)
         mosaic_state.state_fwd(*short)
+    with pytest.raises(ValueError, match="block_cols 128 at C = 64, K = 128 needs"):
+        mosaic_state.state_fwd(*chunk_problem(V=256),
+                               blocks=mosaic_state.StateBlocks(block_cols=128))
     with pytest.raises(ValueError, match="block_cols 128 must divide V = 64"):
         mosaic_state.state_fwd(*chunk_problem(V=64),
                                blocks=mosaic_state.StateBlocks(block_cols=128))

@@ -10,17 +10,17 @@ chunks in order:
     vn_c  = u_c - w_c S_c                           [C, BV]
     S     = decay_c S_c + kd_c^T vn_c               [K, BV]
 
-w_c and kd_c [C, K] arrive in shared memory by TMA; S_c and vn_c are written there in the
-operand dtype (bf16 or f16, as the Triton kernels' bf16 products) for the two wgmma
-products, which accumulate in float32. u, the scalars and the initial states are read from
-global memory into registers; h (the state entering each chunk), vn and the last state go
-out through float32 tiles in shared memory by TMA.
+w_c, kd_c [C, K] and u_c [C, BV] arrive in shared memory by TMA, into a ring of two slots:
+chunk c + 1's copies are issued before chunk c's products, so they run while the products
+do. S_c and vn_c are written to shared memory in the operand dtype (bf16 or f16, as the
+Triton kernels' bf16 products) for the two wgmma products, which accumulate in float32. h
+(the state entering each chunk), vn and the last state go out through float32 tiles in
+shared memory by TMA, one chunk's stores in flight while the next chunk computes.
 
 Shapes: w, kd [NT, B, HV, C, K] bf16 or f16; u [NT, B, HV, C, V]; decay [NT, B, HV, 1];
 layout.chunk_starts, chunk_seq [NT, B]; init [N, HV, K, V] or None; h0 [B, HV, K, V]. Returns
 h [NT, B, HV, K, V], v_new [NT, B, HV, C, V] and the last state [B, HV, K, V], float32.
-C, K and V are multiples of 64 (wgmma's tile); the first version is synchronous: each
-chunk's copies are waited for before its products.
+C, K and V are multiples of 64 (wgmma's tile).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from jaxcp.terms import ChunkTerms
 
 SWIZZLE_BYTES = 128
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
+SMEM_BYTES = 227 * 1024         # shared memory a Hopper block may opt in to
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ def _operand_smem(shape: tuple[int, int], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
+def _smem_bytes(C: int, K: int, BV: int) -> int:
+    """The kernel's shared memory: two ring slots of w, kd (2 bytes) and u (float32), the
+    operand tiles of S and vn, and the float32 tiles h and vn leave through."""
+    return 2 * (2 * C * K * 2 + C * BV * 4) + (K * BV + C * BV) * 2 + (K * BV + C * BV) * 4
+
+
 def _check(terms: ChunkTerms, block_cols: int) -> None:
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
@@ -65,6 +72,10 @@ def _check(terms: ChunkTerms, block_cols: int) -> None:
             raise ValueError(f"the Mosaic state kernel needs {name} a multiple of 64, got {n}")
     if V % block_cols:
         raise ValueError(f"block_cols {block_cols} must divide V = {V}")
+    if _smem_bytes(C, K, block_cols) > SMEM_BYTES:
+        raise ValueError(f"block_cols {block_cols} at C = {C}, K = {K} needs "
+                         f"{_smem_bytes(C, K, block_cols)} bytes of shared memory, over "
+                         f"{SMEM_BYTES}: take fewer columns")
     if terms.w.dtype not in OPERAND_DTYPES or terms.kd.dtype != terms.w.dtype:
         raise TypeError(f"the Mosaic state kernel takes w and kd in one of bfloat16, float16 "
                         f"(its products' operands), got {terms.w.dtype} and {terms.kd.dtype}")
@@ -85,13 +96,19 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
     acc_layout = plgpu.Layout.WGMMA
 
     def kernel(w_g, u_g, kd_g, decay_g, starts_g, seq_g, init_g, h0_g,
-               h_g, vn_g, last_g, w_s, kd_s, s_s, vn_s, h_out, vn_out, copied):
+               h_g, vn_g, last_g, w_s, kd_s, u_s, s_s, vn_s, h_out, vn_out, arrived):
         b, hv, j = lax.axis_index("b"), lax.axis_index("hv"), lax.axis_index("j")
         cols = pl.ds(j * BV, BV)
 
+        def fetch(c, slot):
+            """Chunk c's w, kd and u into a ring slot; arrived[slot] counts the three."""
+            plgpu.copy_gmem_to_smem(w_g.at[c, b, hv], w_s.at[slot], arrived.at[slot])
+            plgpu.copy_gmem_to_smem(kd_g.at[c, b, hv], kd_s.at[slot], arrived.at[slot])
+            plgpu.copy_gmem_to_smem(u_g.at[c, b, hv, :, cols], u_s.at[slot], arrived.at[slot])
+
         def tile(ref):
-            """A [rows, BV] tile of global memory into registers (element by element: jax
-            0.11.2 has no vectorised global load in this layout)."""
+            """A [rows, BV] float32 tile of global memory into registers (element by element:
+            jax 0.11.2 has no vectorised global load in this layout)."""
             return plgpu.load(ref, layout=acc_layout, optimized=False)
 
         def entering(c, S):
@@ -109,29 +126,34 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
             return pl.run_scoped(run, plgpu.ACC(shape, f32))
 
         def write(out_s, value, dst):
-            """value to global memory through shared memory (TMA), once out_s is free."""
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            """value to global memory through shared memory (TMA), once out_s's last store
+            has read it (the other output's store may still be in flight)."""
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             out_s[...] = value
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_s, dst)
 
         def chunk(c, S):
-            plgpu.copy_gmem_to_smem(w_g.at[c, b, hv], w_s, copied.at[0])
-            plgpu.copy_gmem_to_smem(kd_g.at[c, b, hv], kd_s, copied.at[1])
+            slot = lax.rem(c, 2)
+
+            @pl.when(c + 1 < NT)
+            def _():
+                fetch(c + 1, 1 - slot)
+
             S = entering(c, S)
             write(h_out, S, h_g.at[c, b, hv, :, cols])
             s_s[...] = S.astype(operand)
             plgpu.commit_smem()
-            plgpu.barrier_wait(copied.at[0])
-            u = tile(u_g.at[c, b, hv, :, cols]).astype(f32)
-            vn = u - product(w_s, s_s, (C, BV))
+            plgpu.barrier_wait(arrived.at[slot])
+            u = plgpu.load(u_s.at[slot], layout=acc_layout)
+            vn = u - product(w_s.at[slot], s_s, (C, BV))
             write(vn_out, vn, vn_g.at[c, b, hv, :, cols])
             vn_s[...] = vn.astype(operand)
             plgpu.commit_smem()
-            plgpu.barrier_wait(copied.at[1])
             decay = plgpu.load(decay_g.at[c, b, hv])
-            return decay * S + product(kd_s.T, vn_s, (K, BV))
+            return decay * S + product(kd_s.at[slot].T, vn_s, (K, BV))
 
+        fetch(0, 0)
         S0 = tile(h0_g.at[b, hv, :, cols])
         write(h_out, lax.fori_loop(0, NT, chunk, S0), last_g.at[b, hv, :, cols])
         plgpu.wait_smem_to_gmem(0)
@@ -141,13 +163,14 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
         out_type=(jax.ShapeDtypeStruct((NT, B, HV, K, V), f32),
                   jax.ShapeDtypeStruct((NT, B, HV, C, V), f32),
                   jax.ShapeDtypeStruct((B, HV, K, V), f32)),
-        scratch_types=[_operand_smem((C, K), operand), _operand_smem((C, K), operand),
+        scratch_types=[_operand_smem((2, C, K), operand), _operand_smem((2, C, K), operand),
+                       plgpu.SMEM((2, C, BV), f32),
                        _operand_smem((K, BV), operand), _operand_smem((C, BV), operand),
                        plgpu.SMEM((K, BV), f32), plgpu.SMEM((C, BV), f32),
-                       plgpu.Barrier(num_arrivals=1, num_barriers=2)],
+                       plgpu.Barrier(num_arrivals=3, num_barriers=2)],
         grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     init_arg = init.astype(f32) if has_init else jnp.zeros((1, HV, K, V), f32)
-    return call(terms.w, terms.u, terms.kd, terms.decay[..., 0].astype(f32),
+    return call(terms.w, terms.u.astype(f32), terms.kd, terms.decay[..., 0].astype(f32),
                 layout.chunk_starts.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
                 init_arg, h0.astype(f32))
