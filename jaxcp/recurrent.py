@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from jaxcp.checks import check_backend, check_gate_activation, check_operands
 from jaxcp.gate import Gate, decay_from_raw
-from jaxcp.l2norm import l2_normalize
 from jaxcp.pallas.triton.common.recurrent import recurrent_step
 from jaxcp.reference import token_recurrence
 from jaxcp.stages import resolve_backend
@@ -67,13 +66,12 @@ def _recurrent_op(q, k, v, g, beta, *, scale, initial_state, state_indices,
     HV, V = v.shape[2], v.shape[3]
     backend = _pick_backend(backend, K, V)
     if backend in ("pallas", "interpret"):
-        if use_qk_l2norm_in_kernel:
-            q, k = l2_normalize(q), l2_normalize(k)
         table = (jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None
                  else initial_state)
         rows = jnp.arange(B, dtype=jnp.int32) if state_indices is None else state_indices
         return recurrent_step(q, k, v, g, beta, table, rows,
                               scale=K ** -0.5 if scale is None else float(scale),
+                              normalize_qk=use_qk_l2norm_in_kernel,
                               interpret=backend == "interpret")
     if initial_state is None:
         states = jnp.zeros((B, HV, K, V), jnp.float32)

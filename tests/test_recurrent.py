@@ -98,17 +98,19 @@ def test_recurrent_checks_shapes():
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_fused_kernel_equals_the_recurrence(kind):
+@pytest.mark.parametrize("normalize_qk", [True, False])
+def test_fused_kernel_equals_the_recurrence(kind, normalize_qk):
     """The Pallas kernel (interpreted) gives the token recurrence's outputs and table, rows
-    by index (-1 included) and without a table."""
+    by index (-1 included) and without a table, q and k L2-normalised in the kernel or
+    not."""
     _, recurrent = OPS[kind]
     q, k, v, g, beta, _ = _inputs(kind, batch=3, seed=5)
     args = [x[:, :3] for x in (q, k, v, g, beta)]
     table = jnp.asarray(np.random.default_rng(6).standard_normal((5, HV, K, V)), jnp.float32)
     idx = jnp.asarray([4, -1, 1], jnp.int32)
     for kw in (dict(initial_state=table, state_indices=idx), dict()):
-        want = recurrent(*args, use_qk_l2norm_in_kernel=True, **kw)
-        got = recurrent(*args, use_qk_l2norm_in_kernel=True, backend="interpret", **kw)
+        want = recurrent(*args, use_qk_l2norm_in_kernel=normalize_qk, **kw)
+        got = recurrent(*args, use_qk_l2norm_in_kernel=normalize_qk, backend="interpret", **kw)
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -8,11 +8,12 @@ idx = state_indices[b] (zero where idx = -1):
                                   row d of S times exp(g_t[d]))
     v' = (v_t - S^T k_t) beta_t;   S <- S + k_t v'^T;   o_t = S^T (scale q_t)
 
-q, k [B, T, H, K] (value head hv reads q/k head hv // (HV / H), normalised by the caller when
-asked); v [B, T, HV, V]; beta [B, T, HV]; o [B, T, HV, V] in v's dtype. One program per
-(b, hv, block of BV state columns) holds its [K, BV] slice of S in registers over the T
-tokens, then writes it to row idx of the table, which the output aliases (rows no program
-writes keep their values; nothing is written for idx = -1). The refs are whole arrays,
+q, k [B, T, H, K] (value head hv reads q/k head hv // (HV / H); with normalize_qk each
+token's q and k are L2-normalised here, as ``l2norm.l2_normalize``); v [B, T, HV, V]; beta
+[B, T, HV]; o [B, T, HV, V] in v's dtype. One program per (b, hv, block of BV state
+columns) holds its [K, BV] slice of S in registers over the T tokens, then writes it to row
+idx of the table, which the output aliases (rows no program writes keep their values;
+nothing is written for idx = -1). The refs are whole arrays,
 indexed with the program's b, hv, token and idx (``recurrent_kernel``).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcp.l2norm import L2NORM_EPS
 from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.launch import StateBlocks
 
@@ -29,7 +31,7 @@ _Refs = refs_type("_Refs", "q k v g beta idx table_in o table")
 
 
 def recurrent_kernel(*refs, names, scale: float, group: int, per_channel: bool, T: int,
-                     block_cols: int):
+                     block_cols: int, normalize_qk: bool):
     r = named(_Refs, names, refs)
     b, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h = hv // group
@@ -39,9 +41,12 @@ def recurrent_kernel(*refs, names, scale: float, group: int, per_channel: bool, 
     stored = r.table_in[jnp.maximum(idx, 0), hv, pl.ds(0, K), cols]
     state = jnp.where(idx >= 0, stored, jnp.zeros_like(stored))
 
+    def unit(x):
+        return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if normalize_qk else x
+
     def token(t, state):
-        q_t = r.q[b, t, h, pl.ds(0, K)].astype(jnp.float32) * scale
-        k_t = r.k[b, t, h, pl.ds(0, K)].astype(jnp.float32)
+        q_t = unit(r.q[b, t, h, pl.ds(0, K)].astype(jnp.float32)) * scale
+        k_t = unit(r.k[b, t, h, pl.ds(0, K)].astype(jnp.float32))
         v_t = r.v[b, t, hv, cols].astype(jnp.float32)
         if per_channel:
             state = state * jnp.exp(r.g[b, t, hv, pl.ds(0, K)].astype(jnp.float32))[:, None]
@@ -61,7 +66,7 @@ def recurrent_kernel(*refs, names, scale: float, group: int, per_channel: bool, 
 
 
 def recurrent_step(q, k, v, g, beta, table, state_indices, *, scale: float,
-                   interpret: bool = False):
+                   normalize_qk: bool = False, interpret: bool = False):
     """o [B, T, HV, V] (v's dtype) and the table [N, HV, K, V] float32 with rows
     state_indices (int32 [B], -1: none) replaced by their new states (module docstring)."""
     B, T, H, K = q.shape
@@ -83,5 +88,5 @@ def recurrent_step(q, k, v, g, beta, table, state_indices, *, scale: float,
     result, _ = call(recurrent_kernel, (B, HV, V // bv), ins, outs, name="recurrent_step",
                      params=blocks.params(interpret, K * bv * 4),
                      aliases={"table_in": "table"}, scale=scale, group=HV // H,
-                     per_channel=g.ndim == 4, T=T, block_cols=bv)
+                     per_channel=g.ndim == 4, T=T, block_cols=bv, normalize_qk=normalize_qk)
     return result["o"], result["table"]
