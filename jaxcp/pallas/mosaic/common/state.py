@@ -13,13 +13,14 @@ chunks in order:
 w_c, kd_c [C, K] and u_c [C, BV] arrive in shared memory by TMA, into a ring of two slots:
 chunk c + 1's copies are issued before chunk c's products, so they run while the products
 do. S_c and vn_c are written to shared memory in the operand dtype (bf16 or f16, as the
-Triton kernels' bf16 products) for the two wgmma products, which accumulate in float32. h
-(the state entering each chunk), vn and the last state go out through float32 tiles in
-shared memory by TMA, one chunk's stores in flight while the next chunk computes.
+Triton kernels' bf16 products) for the two wgmma products, which accumulate in float32; the
+same tiles go out by TMA as h_c (the state entering chunk c) and vn_c, one chunk's stores
+in flight while the next chunk computes. The last state leaves in float32.
 
 Shapes: w, kd [NT, B, HV, C, K] bf16 or f16; u [NT, B, HV, C, V]; decay [NT, B, HV, 1];
 layout.chunk_starts, chunk_seq [NT, B]; init [N, HV, K, V] or None; h0 [B, HV, K, V]. Returns
-h [NT, B, HV, K, V], v_new [NT, B, HV, C, V] and the last state [B, HV, K, V], float32.
+h [NT, B, HV, K, V] and v_new [NT, B, HV, C, V] in the operand dtype, and the last state
+[B, HV, K, V] float32.
 C, K and V are multiples of 64 (wgmma's tile).
 """
 from __future__ import annotations
@@ -55,8 +56,9 @@ def _operand_smem(shape: tuple[int, int], dtype) -> plgpu.SMEM:
 
 def _smem_bytes(C: int, K: int, BV: int) -> int:
     """The kernel's shared memory: two ring slots of w, kd (2 bytes) and u (float32), the
-    operand tiles of S and vn, and the float32 tiles h and vn leave through."""
-    return 2 * (2 * C * K * 2 + C * BV * 4) + (K * BV + C * BV) * 2 + (K * BV + C * BV) * 4
+    operand tiles of S and vn (h and v_new leave from them), and the last state's float32
+    tile."""
+    return 2 * (2 * C * K * 2 + C * BV * 4) + (K * BV + C * BV) * 2 + K * BV * 4
 
 
 def _check(terms: ChunkTerms, block_cols: int) -> None:
@@ -83,8 +85,9 @@ def _check(terms: ChunkTerms, block_cols: int) -> None:
 
 def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
               *, blocks: StateBlocks = StateBlocks(), interpret: bool = False):
-    """h [NT, B, HV, K, V] (the state entering each chunk), v_new [NT, B, HV, C, V] and the
-    state after the last chunk [B, HV, K, V], float32 (module docstring). interpret: run in
+    """h [NT, B, HV, K, V] (the state entering each chunk) and v_new [NT, B, HV, C, V] in the
+    operand dtype, and the state after the last chunk [B, HV, K, V] float32 (module
+    docstring). interpret: run in
     Mosaic GPU's interpret mode (any device)."""
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
@@ -96,7 +99,7 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
     acc_layout = plgpu.Layout.WGMMA
 
     def kernel(w_g, u_g, kd_g, decay_g, starts_g, seq_g, init_g, h0_g,
-               h_g, vn_g, last_g, w_s, kd_s, u_s, s_s, vn_s, h_out, vn_out, arrived):
+               h_g, vn_g, last_g, w_s, kd_s, u_s, s_s, vn_s, last_s, arrived):
         b, hv, j = lax.axis_index("b"), lax.axis_index("hv"), lax.axis_index("j")
         cols = pl.ds(j * BV, BV)
 
@@ -125,13 +128,14 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
                 return acc[...]
             return pl.run_scoped(run, plgpu.ACC(shape, f32))
 
-        def write(out_s, value, dst):
-            """value to global memory through shared memory (TMA), once out_s's last store
-            has read it (the other output's store may still be in flight)."""
+        def operand_out(tile_s, value, dst):
+            """value in the operand dtype into tile_s, once tile_s's store of the chunk before
+            has read it (the other tile's store may still be in flight), and from there both
+            to the next product and, by TMA, to dst."""
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_s[...] = value
+            tile_s[...] = value.astype(operand)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s, dst)
+            plgpu.copy_smem_to_gmem(tile_s, dst)
 
         def chunk(c, S):
             slot = lax.rem(c, 2)
@@ -141,32 +145,29 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
                 fetch(c + 1, 1 - slot)
 
             S = entering(c, S)
-            write(h_out, S, h_g.at[c, b, hv, :, cols])
-            s_s[...] = S.astype(operand)
-            plgpu.commit_smem()
+            operand_out(s_s, S, h_g.at[c, b, hv, :, cols])
             plgpu.barrier_wait(arrived.at[slot])
             u = plgpu.load(u_s.at[slot], layout=acc_layout)
             vn = u - product(w_s.at[slot], s_s, (C, BV))
-            write(vn_out, vn, vn_g.at[c, b, hv, :, cols])
-            vn_s[...] = vn.astype(operand)
-            plgpu.commit_smem()
+            operand_out(vn_s, vn, vn_g.at[c, b, hv, :, cols])
             decay = plgpu.load(decay_g.at[c, b, hv])
             return decay * S + product(kd_s.at[slot].T, vn_s, (K, BV))
 
         fetch(0, 0)
-        S0 = tile(h0_g.at[b, hv, :, cols])
-        write(h_out, lax.fori_loop(0, NT, chunk, S0), last_g.at[b, hv, :, cols])
+        last_s[...] = lax.fori_loop(0, NT, chunk, tile(h0_g.at[b, hv, :, cols]))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(last_s, last_g.at[b, hv, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((NT, B, HV, K, V), f32),
-                  jax.ShapeDtypeStruct((NT, B, HV, C, V), f32),
+        out_type=(jax.ShapeDtypeStruct((NT, B, HV, K, V), operand),
+                  jax.ShapeDtypeStruct((NT, B, HV, C, V), operand),
                   jax.ShapeDtypeStruct((B, HV, K, V), f32)),
         scratch_types=[_operand_smem((2, C, K), operand), _operand_smem((2, C, K), operand),
                        plgpu.SMEM((2, C, BV), f32),
                        _operand_smem((K, BV), operand), _operand_smem((C, BV), operand),
-                       plgpu.SMEM((K, BV), f32), plgpu.SMEM((C, BV), f32),
+                       plgpu.SMEM((K, BV), f32),
                        plgpu.Barrier(num_arrivals=3, num_barriers=2)],
         grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
