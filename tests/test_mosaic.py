@@ -1,5 +1,5 @@
 """The Mosaic GPU kernels on a machine without a GPU: their numbers in Mosaic GPU's interpret
-mode against the jnp twins, and their lowering for CUDA (jax.export), which checks what
+mode against their jnp references, and their lowering for CUDA (jax.export), which checks what
 interpret mode does not (layouts, shared-memory transforms, wgmma operand shapes)."""
 import chex
 import jax
@@ -33,44 +33,23 @@ def chunk_problem(NT=3, B=1, HV=2, C=64, K=128, V=128, dtype=jnp.bfloat16):
     return terms, layout, init, h0
 
 
-def rounded_twin(terms, layout, init, h0):
-    """``xla.state.state_fwd`` with the state and vn rounded to the operand dtype before their
-    products, as the kernel's wgmma operands are (float32 accumulation), and h and v_new
-    returned in it, as the kernel's are."""
-    operand = terms.w.dtype
-    rounded = lambda x: x.astype(operand).astype(jnp.float32)
-
-    def step(S, xs):
-        w, u, kd, decay, starts, seq = xs
-        fresh = jnp.zeros_like(S) if init is None else init[seq]
-        S = jnp.where(starts[:, None, None, None], fresh, S)
-        vn = u - jnp.einsum("bhck,bhkv->bhcv", w.astype(jnp.float32), rounded(S))
-        out = decay[..., None] * S + jnp.einsum("bhck,bhcv->bhkv", kd.astype(jnp.float32),
-                                                rounded(vn))
-        return out, (S.astype(operand), vn.astype(operand))
-
-    last, (h, vn) = jax.lax.scan(step, h0, (terms.w, terms.u, terms.kd, terms.decay,
-                                            layout.chunk_starts, layout.chunk_seq))
-    return h, vn, last
-
-
 @pytest.mark.parametrize("with_init", [True, False])
-def test_state_fwd_interpret_equals_the_jnp_twin(with_init):
-    """The last state of the kernel equals the jnp recurrence with the same operand roundings
-    to float32 tolerance, and h and v_new (in the operand dtype) to one bf16 rounding step;
-    all three are within the bf16 limit (relative error 1e-2) of ``xla.state.state_fwd`` in
-    float32."""
+def test_state_fwd_interpret_equals_its_reference(with_init):
+    """The last state of the kernel equals its jnp reference (the recurrence with the same
+    operand roundings) to float32 tolerance, and h and v_new (in the operand dtype) to one
+    bf16 rounding step; all three are within the bf16 limit (relative error 1e-2) of
+    ``xla.state.state_fwd`` in float32."""
     terms, layout, init, h0 = chunk_problem()
     init = init if with_init else None
     out = jax.jit(lambda t, l, i, h: mosaic_state.state_fwd(t, l, i, h, interpret=True))(
         terms, layout, init, h0)
-    twin = rounded_twin(terms, layout, init, h0)
-    chex.assert_shape(out, [x.shape for x in twin])
+    want = mosaic_state.state_fwd_reference(terms, layout, init, h0)
+    chex.assert_shape(out, [x.shape for x in want])
     chex.assert_tree_all_finite(out)
-    chex.assert_trees_all_equal_dtypes(out, twin)
+    chex.assert_trees_all_equal_dtypes(out, want)
     one_step = 2.0 ** -8
-    chex.assert_trees_all_close(out[:2], twin[:2], rtol=one_step, atol=one_step)
-    chex.assert_trees_all_close(out[2], twin[2], rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(out[:2], want[:2], rtol=one_step, atol=one_step)
+    chex.assert_trees_all_close(out[2], want[2], rtol=1e-5, atol=1e-5)
     exact = xla_state.state_fwd(terms, layout, init, h0)
     assert all(rel_error(a, b) < 1e-2 for a, b in zip(out, exact))
 
@@ -101,3 +80,16 @@ def test_state_fwd_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="block_cols 128 must divide V = 64"):
         mosaic_state.state_fwd(*chunk_problem(V=64),
                                blocks=mosaic_state.StateBlocks(block_cols=128))
+
+
+def test_gpu_check_runs_in_interpret_mode(capsys):
+    """``benchmarks.check.mosaic`` (the kernel's check and timing on a GPU) on GDN's own terms,
+    interpreted: within its limits; a bad flag is one line and exit 2."""
+    from benchmarks.check import mosaic as check
+    assert check.main(["--NT", "2", "--H", "1", "--interpret"]) == 0
+    assert "all within limits" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        check.main(["--NT", "0"])
+    assert stop.value.code == 2
+    assert "--NT and --H must be positive" in capsys.readouterr().err
+

@@ -175,3 +175,27 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
     return call(terms.w, terms.u.astype(f32), terms.kd, terms.decay[..., 0].astype(f32),
                 layout.chunk_starts.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
                 init_arg, h0.astype(f32))
+
+
+def state_fwd_reference(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                        h0: jax.Array):
+    """The kernel's numbers in jnp: ``xla.state.state_fwd``'s recurrence with the state and
+    vn rounded to the operand dtype before their products, as the kernel's wgmma operands
+    are (float32 accumulation), and h and v_new returned in it, as the kernel's are."""
+    operand = terms.w.dtype
+    f32 = jnp.float32
+    rounded = lambda x: x.astype(operand).astype(f32)
+
+    def step(S, xs):
+        w, u, kd, decay, starts, seq = xs
+        fresh = jnp.zeros_like(S) if init is None else init[seq].astype(f32)
+        S = jnp.where(starts[:, None, None, None], fresh, S)
+        vn = u.astype(f32) - jnp.einsum("bhck,bhkv->bhcv", w.astype(f32), rounded(S))
+        out = decay.astype(f32)[..., None] * S + jnp.einsum(
+            "bhck,bhcv->bhkv", kd.astype(f32), rounded(vn))
+        return out, (S.astype(operand), vn.astype(operand))
+
+    last, (h, vn) = lax.scan(step, h0.astype(f32), (terms.w, terms.u, terms.kd, terms.decay,
+                                                    layout.chunk_starts, layout.chunk_seq))
+    return h, vn, last
+

@@ -1,0 +1,123 @@
+"""The Mosaic GPU state recurrence on the current device: its numbers and its time beside the
+Triton kernel's.
+
+    python -m benchmarks.check.mosaic --NT 128 512 --H 64          # on a Hopper GPU
+    python -m benchmarks.check.mosaic --NT 2 --H 1 --interpret     # anywhere (no times)
+
+Per case (NT chunks of 64 tokens, one sequence, H value heads, K = V = 128) the terms are
+GDN's own: ``xla.intra_chunk`` of L2-normalised keys and queries, decays exp(logsigmoid(x + 4))
+and sigmoid betas, w and kd in bf16 (the operand dtype), and a random entering state. The
+kernel's h, v_new and last state are compared with its jnp reference (the same operand
+roundings: float32 accumulation order is all that may differ, ``LIMIT_REFERENCE``) and with
+``xla.state.state_fwd`` in float32 (the bf16 limit, 1e-2). Without --interpret each case is then timed beside the
+Triton ``state_fwd`` at bf16 precision (``benchmarks.timing.pipelined_ms``, whose median
+leaves out the first rounds, in which the allocator's pool grows by the outputs: h alone is
+NT x H x 32 KiB). --json writes one record per case: NT, H, errors (name -> relative error,
+"ref" against the reference, "f32" against float32), ms (impl -> ms, or none), device, jax.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# against the reference: the last state to float32 accumulation order over the chunks; h and
+# v_new, stored in bf16, to one bf16 rounding step where the two round apart
+LIMIT_REFERENCE = {"h": 2.0 ** -8, "v_new": 2.0 ** -8, "last": 1e-4}
+LIMIT_FLOAT32 = 1e-2       # bf16 operands
+
+
+def gdn_terms(NT: int, H: int, C: int = 64, D: int = 128):
+    """(terms, layout, h0): one sequence of NT chunks, the chunk layout of ``state_fwd``."""
+    import jax
+    import jax.numpy as jnp
+    from jaxcp.gate import Gate
+    from jaxcp.layout import build_layout
+    from jaxcp.l2norm import l2_normalize
+    from jaxcp.xla import intra_chunk
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    shape = (NT, 1, H, C)
+    q = l2_normalize(jax.random.normal(keys[0], shape + (D,)))
+    k = l2_normalize(jax.random.normal(keys[1], shape + (D,)))
+    v = jax.random.normal(keys[2], shape + (D,))
+    g = jax.nn.log_sigmoid(jax.random.normal(keys[3], shape + (1,)) + 4.0)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], shape))
+    terms = jax.jit(lambda *a: intra_chunk(*a, D ** -0.5, gate=Gate.SCALAR))(q, k, v, g, beta)
+    terms = terms._replace(w=terms.w.astype(jnp.bfloat16), kd=terms.kd.astype(jnp.bfloat16))
+    layout, _ = build_layout(1, NT * C, C, None, 0, NT * C)
+    h0 = 0.1 * jax.random.normal(keys[5], (1, H, D, D))
+    return terms, layout, h0
+
+
+def check(NT: int, H: int, interpret: bool) -> dict:
+    """One case's record (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.timing import pipelined_ms
+    from jaxcp.gate import Gate
+    from jaxcp.metrics import rel_error
+    from jaxcp.pallas.mosaic.common import state as mosaic
+    from jaxcp.pallas.triton.common import state as triton
+    from jaxcp.pallas.triton.common.products import KernelPrecision
+    from jaxcp.xla import state as xla
+
+    terms, layout, h0 = gdn_terms(NT, H)
+    kernel = jax.jit(lambda t, l, h: mosaic.state_fwd(t, l, None, h, interpret=interpret))
+    got = kernel(terms, layout, h0)
+    want = jax.jit(lambda t, l, h: mosaic.state_fwd_reference(t, l, None, h))(terms, layout, h0)
+    exact = jax.jit(lambda t, l, h: xla.state_fwd(t, l, None, h))(terms, layout, h0)
+    errors = {}
+    for name, a, b, c in zip(("h", "v_new", "last"), got, want, exact):
+        finite = bool(jnp.all(jnp.isfinite(a)))
+        errors[f"{name} ref"] = rel_error(a, b) if finite else float("nan")
+        errors[f"{name} f32"] = rel_error(a, c) if finite else float("nan")
+    del got, want, exact
+    ms = None
+    if not interpret:
+        bf16 = KernelPrecision(dot_dtype=jnp.bfloat16, tile_dtype=jnp.bfloat16, precise=False)
+        tri = jax.jit(lambda t, l, h: triton.state_fwd(t, l, None, h, gate=Gate.SCALAR,
+                                                       precision=bf16))
+        ms = {"jaxcp-mosaic": pipelined_ms(kernel, terms, layout, h0),
+              "jaxcp-pallas": pipelined_ms(tri, terms, layout, h0)}
+    return dict(NT=NT, H=H, errors=errors, ms=ms, device=jax.devices()[0].device_kind,
+                jax=jax.__version__)
+
+
+def within_limits(errors: dict) -> bool:
+    """Every error below its limit (NaN is not)."""
+    def limit(name: str) -> float:
+        output, against = name.split()
+        return LIMIT_REFERENCE[output] if against == "ref" else LIMIT_FLOAT32
+    return all(e < limit(name) for name, e in errors.items())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.check.mosaic",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--NT", type=int, nargs="+", default=[128, 512], help="chunks of 64 tokens")
+    ap.add_argument("--H", type=int, default=64, help="value heads")
+    ap.add_argument("--interpret", action="store_true",
+                    help="Mosaic GPU's interpret mode (any device), no times")
+    ap.add_argument("--json", help="write one record per case here")
+    args = ap.parse_args(argv)
+    if min(args.NT) < 1 or args.H < 1:
+        ap.error("--NT and --H must be positive")
+    records, ok = [], True
+    for NT in args.NT:
+        r = check(NT, args.H, args.interpret)
+        records.append(r)
+        ok &= within_limits(r["errors"])
+        times = "" if r["ms"] is None else "  " + ", ".join(
+            f"{impl} {ms:.3f} ms" for impl, ms in r["ms"].items())
+        print(f"NT {NT:5d} H {args.H:3d}  " + "  ".join(
+            f"{name} {e:.1e}" for name, e in r["errors"].items()) + times, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    print("all within limits" if ok else "OVER LIMITS")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
