@@ -71,6 +71,10 @@ def test_state_fwd_refuses_what_it_does_not_take():
                                layout, init, h0)
     with pytest.raises(TypeError, match="bfloat16, float16"):
         mosaic_state.state_fwd(terms._replace(w=terms.w.astype(jnp.float32)), layout, init, h0)
+    with pytest.raises(ValueError, match="h0 must be"):
+        mosaic_state.state_fwd(terms, layout, init, h0[..., :64])
+    with pytest.raises(ValueError, match="init must be"):
+        mosaic_state.state_fwd(terms, layout, init[:, :1], h0)
     with pytest.raises(ValueError, match="K a multiple of 64"):
         short = chunk_problem(K=32)
         mosaic_state.state_fwd(*short)

@@ -61,9 +61,14 @@ def _smem_bytes(C: int, K: int, BV: int) -> int:
     return 2 * (2 * C * K * 2 + C * BV * 4) + (K * BV + C * BV) * 2 + K * BV * 4
 
 
-def _check(terms: ChunkTerms, block_cols: int) -> None:
+def _check(terms: ChunkTerms, init: jax.Array | None, h0: jax.Array, block_cols: int) -> None:
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
+    if tuple(h0.shape) != (B, HV, K, V):
+        raise ValueError(f"h0 must be [B, HV, K, V] = {(B, HV, K, V)}, got {tuple(h0.shape)}")
+    if init is not None and (init.ndim != 4 or tuple(init.shape[1:]) != (HV, K, V)):
+        raise ValueError(f"init must be [N, HV, K, V] with (HV, K, V) = {(HV, K, V)}, got "
+                         f"{tuple(init.shape)}")
     if terms.decay.shape[-1] != 1:
         raise ValueError(f"the Mosaic state kernel takes the scalar gate (decay [..., 1]), "
                          f"got decay {tuple(terms.decay.shape)}")
@@ -92,7 +97,7 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
     BV = blocks.block_cols
-    _check(terms, BV)
+    _check(terms, init, h0, BV)
     operand = terms.w.dtype
     f32 = jnp.float32
     has_init = init is not None
