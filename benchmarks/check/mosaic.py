@@ -9,11 +9,12 @@ GDN's own: ``xla.intra_chunk`` of L2-normalised keys and queries, decays exp(log
 and sigmoid betas, w and kd in bf16 (the operand dtype), and a random entering state. The
 kernel's h, v_new and last state are compared with its jnp reference (the same operand
 roundings: float32 accumulation order is all that may differ, ``LIMIT_REFERENCE``) and with
-``xla.state.state_fwd`` in float32 (the bf16 limit, 1e-2). Without --interpret each case is then timed beside the
-Triton ``state_fwd`` at bf16 precision (``benchmarks.timing.pipelined_ms``, whose median
-leaves out the first rounds, in which the allocator's pool grows by the outputs: h alone is
-NT x H x 32 KiB). --json writes one record per case: NT, H, errors (name -> relative error,
-"ref" against the reference, "f32" against float32), ms (impl -> ms, or none), device, jax.
+``xla.state.state_fwd`` in float32 (the bf16 limit, 1e-2). Without --interpret each case is
+then timed beside the Triton ``state_fwd`` at bf16 precision
+(``benchmarks.timing.pipelined_ms``, whose median leaves out the first rounds, in which the
+allocator's pool grows by the outputs: h alone is NT x H x 32 KiB). --json writes one record
+per case: NT, H, errors (name -> relative error, "ref" against the reference, "f32" against
+float32), ms (impl -> ms, or none), device, jax.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxcp.l2norm import L2NORM_EPS
+from jaxcp.l2norm import l2_row_scales
 from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.launch import StateBlocks
 
@@ -42,7 +42,7 @@ def recurrent_kernel(*refs, names, scale: float, group: int, per_channel: bool, 
     state = jnp.where(idx >= 0, stored, jnp.zeros_like(stored))
 
     def unit(x):
-        return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if normalize_qk else x
+        return x * l2_row_scales(x) if normalize_qk else x
 
     def token(t, state):
         q_t = unit(r.q[b, t, h, pl.ds(0, K)].astype(jnp.float32)) * scale
