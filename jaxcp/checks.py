@@ -58,13 +58,13 @@ def _check_traced_cu_seqlens(cu_seqlens, total: int) -> None:
 
 
 def check_backend(backend) -> None:
-    """backend must be one of BACKENDS, and "pallas" needs a GPU."""
+    """backend must be one of BACKENDS, and "pallas" and "mosaic" need a GPU."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "pallas" and not gpu_present():
-        raise ValueError(f"backend='pallas' runs the Pallas kernels on a GPU, and JAX's "
-                         f"backend here is {jax.default_backend()!r}: use backend='interpret' "
-                         f"(the same kernels, interpreted: slow) or 'xla'")
+    if backend in ("pallas", "mosaic") and not gpu_present():
+        raise ValueError(f"backend={backend!r} runs GPU kernels, and JAX's backend here is "
+                         f"{jax.default_backend()!r}: use backend='interpret' (the Pallas "
+                         f"kernels, interpreted: slow) or 'xla'")
 
 
 def check_array(name: str, x, dims: str) -> None:

@@ -136,12 +136,14 @@ _DOC = """{title}
         that order: balanced causal attention in a hybrid; T even). ``jaxcp.to_layout``
         permutes a batch into it (``jaxcp.cp.split``).
       chunk_size: tokens per chunk, one of (16, 32, 64, 128).
-      backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode) or
-        None: "pallas" on a GPU, "xla" elsewhere.
+      backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode),
+        "mosaic" (GDN, bf16 inputs: the "pallas" kernels with the forward state recurrences
+        on Mosaic GPU where the chunks are whole; ``jaxcp.stages``) or None: "pallas" on a
+        GPU, "xla" elsewhere.
       segments: run each sequence (under CP, each of the device's pieces) as this many
         segments in parallel on the device, joined by the same merge as CP's devices: more
         programs for the state recurrences when B x HV cannot fill the GPU. The length
-        (per piece) must divide by it. None: chosen by shape on the "pallas" backend
+        (per piece) must divide by it. None: chosen by shape on the GPU backends
         (``jaxcp.cp.segments.choose_segments``), 1 elsewhere; 1: never split.
 
     Returns:

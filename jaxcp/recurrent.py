@@ -53,6 +53,7 @@ def _pick_backend(backend: str | None, K: int, V: int) -> str:
     """None: the fused kernel on a GPU where it takes the head dims, else the recurrence."""
     if backend is None:
         return resolve_backend(None) if kernel_fits(K, V) else "xla"
+    backend = "pallas" if backend == "mosaic" else backend
     if backend in ("pallas", "interpret") and not kernel_fits(K, V):
         raise ValueError(f"backend={backend!r}: the fused kernel takes head dims that are "
                          f"powers of two from 16, got K = {K}, V = {V}; use backend='xla'")
@@ -107,8 +108,8 @@ _DOC = """{title}
         nothing); None: row b reads row b (N == B).
       backend: None (the default: "pallas" on a GPU where K and V are powers of two from 16,
         else "xla"), "xla" (the token recurrence), "pallas" (one fused kernel per call on a
-        GPU, each state read once and written back in place) or "interpret" (that kernel
-        interpreted, any device).
+        GPU, each state read once and written back in place; "mosaic" runs it too, having no
+        decoding kernel of its own) or "interpret" (that kernel interpreted, any device).
 
     Returns o [B, T, HV, V] in v's dtype and the table [N, HV, K, V] float32 with the rows
     read replaced by the state after the last token ([B, HV, K, V] without a table).

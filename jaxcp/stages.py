@@ -11,8 +11,12 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 | "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no, no         |
 | "pallas" | SCALAR  | Pallas ``gdn.intra``, ``gdn.grads`` | Pallas ``state``  | yes, no        |
 | "pallas" | CHANNEL | Pallas ``kda.intra``, ``kda.grads`` | Pallas ``state``  | yes, yes       |
+| "mosaic" | SCALAR  | as "pallas"                         | Mosaic GPU fwd    | yes, no        |
 
 The Pallas modules are those of ``jaxcp.pallas.triton`` (``state``: ``common.state``).
+"mosaic" runs GDN's forward state recurrences (``state_output``, and ``state_fwd`` in the
+backward) as the Mosaic GPU kernels of ``jaxcp.pallas.mosaic`` where they take the terms,
+and the "pallas" stages for the rest; bf16 inputs only.
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant
 is one ``Gate`` value and its entries here.
@@ -45,7 +49,7 @@ import jax.numpy as jnp
 from jaxcp import xla
 from jaxcp.gate import Gate
 
-BACKENDS = ("xla", "pallas", "interpret")
+BACKENDS = ("xla", "pallas", "interpret", "mosaic")
 
 
 class Stages(NamedTuple):
@@ -203,6 +207,32 @@ def _pallas_gdn_stages(opts: StageOptions) -> Stages:
                   **_pallas_state_stages(opts, precision))
 
 
+def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
+    """GDN's Pallas stages with the forward state recurrence fused with the output
+    (state_output) and the backward's state pass again (state_fwd) as Mosaic GPU kernels
+    (``jaxcp.pallas.mosaic``) wherever those take the terms (``state.takes``: whole chunks,
+    C, K, V multiples of 64, within shared memory), the Triton kernels elsewhere. bf16
+    inputs only: the Mosaic kernels' products take bf16 operands."""
+    from jaxcp.pallas.mosaic.common import state as mosaic_state
+    if opts.dot_dtype != "bfloat16":
+        raise ValueError(f"backend='mosaic' takes bfloat16 inputs (its kernels' products "
+                         f"take bf16 operands), got inputs that run {opts.dot_dtype} "
+                         f"products: use backend='pallas'")
+    triton = _pallas_gdn_stages(opts)
+
+    def state_output(terms, layout, init, h0, with_finals):
+        if mosaic_state.takes(terms, layout, init, h0, with_output=True):
+            return mosaic_state.state_output(terms, layout, init, h0, with_finals)
+        return triton.state_output(terms, layout, init, h0, with_finals)
+
+    def state_fwd(terms, layout, init, h0):
+        if mosaic_state.takes(terms, layout, init, h0, with_output=False):
+            return mosaic_state.state_fwd(terms, layout, init, h0)
+        return triton.state_fwd(terms, layout, init, h0)
+
+    return triton._replace(state_output=state_output, state_fwd=state_fwd)
+
+
 def _pallas_kda_stages(opts: StageOptions) -> Stages:
     """KDA: every stage a Pallas kernel, token-major, taking G. The forward keeps T and
     attn; the backward computes w, u and the factor tiles again from T (``kda.intra``),
@@ -253,6 +283,7 @@ IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     Implementation("xla", Gate.CHANNEL, False, False, 0, False, False, _xla_stages),
     Implementation("pallas", Gate.SCALAR, True, False, 128, True, True, _pallas_gdn_stages),
     Implementation("pallas", Gate.CHANNEL, True, True, 0, False, True, _pallas_kda_stages),
+    Implementation("mosaic", Gate.SCALAR, True, False, 128, True, True, _mosaic_gdn_stages),
 )}
 
 
@@ -271,7 +302,11 @@ def implementation(backend: str, gate: Gate) -> Implementation:
     """The table entry of a backend ("interpret" runs the "pallas" entries) and gate."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return IMPLEMENTATIONS["pallas" if backend == "interpret" else backend, gate]
+    key = ("pallas" if backend == "interpret" else backend, gate)
+    if key not in IMPLEMENTATIONS:
+        raise ValueError(f"backend={backend!r} has no stages for the {gate.value} gate: "
+                         f"use backend='pallas'")
+    return IMPLEMENTATIONS[key]
 
 
 def stage_options(backend: str, gate: Gate, input_dtype, K: int, *, unit_qk: bool,

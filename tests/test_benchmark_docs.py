@@ -116,7 +116,8 @@ def test_cp_page_has_a_section_per_op_and_a_target_row_per_layout():
                           ["--strategies", "ring"], ["--T", "0"])),
     *(("segments", f) for f in (["--ops", "gla"], ["--configs", "8:2"], ["--devices", "0"],
                                 ["--segments", "0"])),
-    *(("kernels", f) for f in (["--impls", "jaxcp-mosaic"], ["--impls", "flashqla", "--op", "kda"],
+    *(("kernels", f) for f in (["--impls", "jaxcp-cuda"], ["--impls", "flashqla", "--op", "kda"],
+                               ["--impls", "jaxcp-mosaic", "--op", "kda"],
                                ["--compile-threads", "0"]))])
 def test_bench_flag_errors(tool, flags, capsys):
     """Bad flags of a benchmark tool: exit code 2 and one line naming the flag, before any

@@ -180,9 +180,22 @@ def test_lm_checks_tokens():
         lm(jnp.zeros((8,), jnp.int32))
 
 
-def test_pallas_backend_needs_a_gpu(gdn_args):
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_gpu_backends_need_a_gpu(gdn_args, backend):
     with pytest.raises(ValueError, match="backend='interpret'"):
-        call(gdn_args, backend="pallas")
+        call(gdn_args, backend=backend)
+
+
+def test_mosaic_backend_refuses_what_it_does_not_run():
+    """backend='mosaic' runs GDN with bf16 inputs: KDA and float32 inputs are refused with
+    the way on."""
+    from jaxcp import stages
+    from jaxcp.gate import Gate
+    with pytest.raises(ValueError, match="'mosaic' has no stages for the channel gate"):
+        stages.implementation("mosaic", Gate.CHANNEL)
+    opts = stages.stage_options("mosaic", Gate.SCALAR, jnp.float32, 128, unit_qk=True)
+    with pytest.raises(ValueError, match="backend='mosaic' takes bfloat16 inputs"):
+        stages.stages_for(opts)
 
 
 def test_traced_cu_seqlens_checked_on_request(gdn_args):

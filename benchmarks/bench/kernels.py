@@ -49,7 +49,7 @@ CONFIGS = [(8192, 64, 128), (32768, 64, 128), (32768, 16, 256)]   # (T, H, K = V
 CHUNK = 64
 # measured on H100 and H200: memory bytes/s, dense bf16 FLOP/s
 PEAKS = {"H100": (3.0e12, 790e12), "H200": (4.3e12, 790e12)}
-IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla", "flashqla", "flashqla-nocp")
+IMPLS = ("jaxcp-pallas", "jaxcp-mosaic", "jaxcp-xla", "fla", "flashqla", "flashqla-nocp")
 TORCH_IMPLS = ("fla", "flashqla", "flashqla-nocp")
 # KDA's gate computed in the op (--gate-in-kernel), on both sides: the raw gate is the
 # benchmark's g, A_log and dt_bias are zeros
@@ -255,15 +255,20 @@ def device_of(records: list[dict]) -> str:
 
 
 def markdown(records: list[dict]) -> str:
-    """Title, setting, one row per shape and pass (ms per implementation, pallas / FLA,
-    pallas / FlashQLA where it ran, and the floor), and how the floor is counted."""
+    """Title, setting, one row per shape and pass (ms per implementation; pallas and
+    mosaic / FLA and / FlashQLA, and mosaic / pallas, where both ran; the floor), and how
+    the floor is counted."""
     device = device_of(records)
     jax = next((r["jax"] for r in records if r.get("jax")), "?")
     fla = next((r["fla"] for r in records if r.get("fla")), "not run")
     flashqla = next((r["flashqla"] for r in records if r.get("flashqla")), None)
     names = impls_of(records)
     against = [a for a in ("fla", "flashqla") if a in names]
-    against_names = {"fla": "FLA", "flashqla": "FlashQLA"}
+    short = {"fla": "FLA", "flashqla": "FlashQLA", "jaxcp-pallas": "pallas",
+             "jaxcp-mosaic": "mosaic"}
+    ours = [n for n in ("jaxcp-pallas", "jaxcp-mosaic") if n in names]
+    ratios = [(n, a) for n in ours for a in against] + (
+        [("jaxcp-mosaic", "jaxcp-pallas")] if len(ours) == 2 else [])
     op = op_of(records)
     ms = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r["ms"] for r in records}
     peak = {(r["impl"], r["T"], r["H"], r["K"], r["pass"]): r.get("peak_bytes")
@@ -274,25 +279,26 @@ def markdown(records: list[dict]) -> str:
              + (f"; FlashQLA {flashqla} (flashqla: its in-device split on, flashqla-nocp: off)"
                 if flashqla else "") + ". B = 1, bf16, q/k L2-normalised, "
              "median ms per call" + (", and peak GiB per call (jaxcp: the compiled call's "
-                                     "arguments, outputs and temporaries; "
-                                     + " and ".join(against_names[a] for a in against)
-                                     + ": the allocator's peak over one call)"
+                                     "arguments, outputs and temporaries"
+                                     + ("; " + " and ".join(short[a] for a in against)
+                                        + ": the allocator's peak over one call"
+                                        if against else "") + ")"
                                      if with_peaks else "")
              + "." + gate_in_kernel_text(records), "",
              "| T | H | K=V | pass | " + " | ".join(names) + " | "
-             + " | ".join(f"pallas / {against_names[a]}" for a in against) + " | floor |"
+             + "".join(f"{short[n]} / {short[a]} | " for n, a in ratios) + "floor |"
              + (" peak GiB " + " / ".join(names) + " |" if with_peaks else ""),
-             "|---|---|---|---|" + "---|" * (len(names) + len(against)) + "---|"
+             "|---|---|---|---|" + "---|" * (len(names) + len(ratios)) + "---|"
              + ("---|" if with_peaks else "")]
     for T, H, D in shapes(records):
         for passes in ("fwd", "fwd+bwd"):
             vals = [ms.get((i, T, H, D, passes)) for i in names]
-            p = ms.get(("jaxcp-pallas", T, H, D, passes))
-            ratios = [ms.get((a, T, H, D, passes)) for a in against]
+            at = lambda impl: ms.get((impl, T, H, D, passes))
             row = (f"| {T} | {H} | {D} | {passes} | "
                    + " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + " | "
-                   + " | ".join(f"{p / f:.2f}x" if p and f else "-" for f in ratios)
-                   + f" | {floor_ms(op, T, H, D, passes, device):.2f} |")
+                   + "".join(f"{at(n) / at(a):.2f}x | " if at(n) and at(a) else "- | "
+                             for n, a in ratios)
+                   + f"{floor_ms(op, T, H, D, passes, device):.2f} |")
             if with_peaks:
                 gib = [peak.get((i, T, H, D, passes)) for i in names]
                 row += " " + " / ".join("-" if b is None else f"{b / 2**30:.2f}"
@@ -311,7 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--report", help="write .md and .png from these records and exit")
     ap.add_argument("--impls", default="jaxcp-pallas,jaxcp-xla,fla",
-                    help="comma list of " + ", ".join(IMPLS) + " (flashqla*: GDN only)")
+                    help="comma list of " + ", ".join(IMPLS) + " (jaxcp-mosaic, flashqla*: "
+                         "GDN only)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile-threads", type=int, default=8,
                     help="programs compiled at once (1: one at a time)")
@@ -336,8 +343,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPLS)}")
     torch_impls = [i for i in impls if i in TORCH_IMPLS]
-    if args.op != "gdn" and any(i.startswith("flashqla") for i in torch_impls):
-        ap.error("--impls: flashqla is GDN only (--op gdn)")
+    gdn_only = [i for i in impls if i.startswith("flashqla") or i == "jaxcp-mosaic"]
+    if args.op != "gdn" and gdn_only:
+        ap.error(f"--impls: {', '.join(gdn_only)}: GDN only (--op gdn)")
     if args.torch_child:
         json.dump(run_torch(torch_impls, args.op, configs, args.iters, args.gate_in_kernel),
                   sys.stdout)

@@ -134,7 +134,8 @@ def markdown(records: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.check.kernels",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="pallas", choices=["pallas", "xla", "interpret"])
+    ap.add_argument("--backend", default="pallas", choices=["pallas", "mosaic", "xla", "interpret"],
+                    help="mosaic: GDN only (--ops gdn), bf16")
     ap.add_argument("--ops", default="gdn,kda")
     ap.add_argument("--T", type=int, nargs="+", default=[1000, 8192])
     ap.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
         ap.error("--layouts: comma list of varlen, batch")
     if not set(key_kinds) <= {"random", "correlated"}:
         ap.error("--keys: comma list of random, correlated")
+    if args.backend == "mosaic" and (args.ops != "gdn" or args.dtype != "bfloat16"):
+        ap.error("--backend mosaic runs GDN in bfloat16: --ops gdn --dtype bfloat16")
 
     import jax
     import jax.numpy as jnp

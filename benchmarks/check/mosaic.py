@@ -1,20 +1,21 @@
-"""The Mosaic GPU state recurrence on the current device: its numbers and its time beside the
-Triton kernel's.
+"""The Mosaic GPU state recurrence on the current device, in both its forms (``state_fwd``:
+h and v_new per chunk; ``state_output``: fused with the output): their numbers and their time
+beside the Triton kernels'.
 
     python -m benchmarks.check.mosaic --NT 128 512 --H 64          # on a Hopper GPU
     python -m benchmarks.check.mosaic --NT 2 --H 1 --interpret     # anywhere (no times)
 
 Per case (NT chunks of 64 tokens, one sequence, H value heads, K = V = 128) the terms are
 GDN's own: ``xla.intra_chunk`` of L2-normalised keys and queries, decays exp(logsigmoid(x + 4))
-and sigmoid betas, w and kd in bf16 (the operand dtype), and a random entering state. The
-kernel's h, v_new and last state are compared with its jnp reference (the same operand
-roundings: float32 accumulation order is all that may differ, ``LIMIT_REFERENCE``) and with
-``xla.state.state_fwd`` in float32 (the bf16 limit, 1e-2). Without --interpret each case is
-then timed beside the Triton ``state_fwd`` at bf16 precision
-(``benchmarks.timing.pipelined_ms``, whose median leaves out the first rounds, in which the
-allocator's pool grows by the outputs: h alone is NT x H x 32 KiB). --json writes one record
-per case: NT, H, errors (name -> relative error, "ref" against the reference, "f32" against
-float32), ms (impl -> ms, or none), device, jax.
+and sigmoid betas, w, kd, qg and attn in bf16 (the operand dtype), and a random entering
+state. Each form's outputs (h, v_new, last; o, finals) are compared with its jnp reference
+(the same operand roundings: float32 accumulation order is all that may differ,
+``LIMIT_REFERENCE``) and with ``jaxcp.xla`` in float32 (the bf16 limit, 1e-2). Without
+--interpret each form is then timed beside the Triton kernel of the same form at bf16
+precision (``benchmarks.timing.pipelined_ms``, whose median leaves out the first rounds, in
+which the allocator's pool grows by the outputs: h alone is NT x H x 32 KiB). --json writes
+one record per case and form: form, NT, H, errors (name -> relative error, "ref" against
+the reference, "f32" against float32), ms (impl -> ms, or none), device, jax.
 """
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ import argparse
 import json
 import sys
 
-# against the reference: the last state to float32 accumulation order over the chunks; h and
-# v_new, stored in bf16, to one bf16 rounding step where the two round apart
-LIMIT_REFERENCE = {"h": 2.0 ** -8, "v_new": 2.0 ** -8, "last": 1e-4}
+# against the reference: the float32 states (last, finals) to float32 accumulation order over
+# the chunks; h, v_new and o, stored in bf16, to one bf16 rounding step where the two round
+# apart
+LIMIT_REFERENCE = {"h": 2.0 ** -8, "v_new": 2.0 ** -8, "o": 2.0 ** -8, "last": 1e-4,
+                   "finals": 1e-4}
+FORMS = {"state_fwd": ("h", "v_new", "last"), "state_output": ("o", "finals")}
 LIMIT_FLOAT32 = 1e-2       # bf16 operands
 
 
 def gdn_terms(NT: int, H: int, C: int = 64, D: int = 128):
-    """(terms, layout, h0): one sequence of NT chunks, the chunk layout of ``state_fwd``."""
+    """(terms, layout, h0): one sequence of NT chunks, the chunk layout of the state kernels."""
     import jax
     import jax.numpy as jnp
     from jaxcp.gate import Gate
@@ -45,14 +49,16 @@ def gdn_terms(NT: int, H: int, C: int = 64, D: int = 128):
     g = jax.nn.log_sigmoid(jax.random.normal(keys[3], shape + (1,)) + 4.0)
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], shape))
     terms = jax.jit(lambda *a: intra_chunk(*a, D ** -0.5, gate=Gate.SCALAR))(q, k, v, g, beta)
-    terms = terms._replace(w=terms.w.astype(jnp.bfloat16), kd=terms.kd.astype(jnp.bfloat16))
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    terms = terms._replace(w=bf16(terms.w), kd=bf16(terms.kd), qg=bf16(terms.qg),
+                           attn=bf16(terms.attn))
     layout, _ = build_layout(1, NT * C, C, None, 0, NT * C)
     h0 = 0.1 * jax.random.normal(keys[5], (1, H, D, D))
     return terms, layout, h0
 
 
-def check(NT: int, H: int, interpret: bool) -> dict:
-    """One case's record (module docstring)."""
+def check(form: str, NT: int, H: int, interpret: bool) -> dict:
+    """One case's record of one form (module docstring)."""
     import jax
     import jax.numpy as jnp
     from benchmarks.timing import pipelined_ms
@@ -61,28 +67,40 @@ def check(NT: int, H: int, interpret: bool) -> dict:
     from jaxcp.pallas.mosaic.common import state as mosaic
     from jaxcp.pallas.triton.common import state as triton
     from jaxcp.pallas.triton.common.products import KernelPrecision
-    from jaxcp.xla import state as xla
+    from jaxcp import xla
 
     terms, layout, h0 = gdn_terms(NT, H)
-    kernel = jax.jit(lambda t, l, h: mosaic.state_fwd(t, l, None, h, interpret=interpret))
+    if form == "state_fwd":
+        kernel = jax.jit(lambda t, l, h: mosaic.state_fwd(t, l, None, h, interpret=interpret))
+        reference = lambda t, l, h: mosaic.state_fwd_reference(t, l, None, h)
+        exact = lambda t, l, h: xla.state_fwd(t, l, None, h)
+    else:
+        kernel = jax.jit(lambda t, l, h: mosaic.state_output(t, l, None, h, True,
+                                                             interpret=interpret))
+        reference = lambda t, l, h: mosaic.state_output_reference(t, l, None, h, True)
+        exact = lambda t, l, h: xla.state_output(t, l, None, h, True)
     got = kernel(terms, layout, h0)
-    want = jax.jit(lambda t, l, h: mosaic.state_fwd_reference(t, l, None, h))(terms, layout, h0)
-    exact = jax.jit(lambda t, l, h: xla.state_fwd(t, l, None, h))(terms, layout, h0)
+    want = jax.jit(reference)(terms, layout, h0)
+    f32 = jax.jit(exact)(terms, layout, h0)
     errors = {}
-    for name, a, b, c in zip(("h", "v_new", "last"), got, want, exact):
+    for name, a, b, c in zip(FORMS[form], got, want, f32):
         finite = bool(jnp.all(jnp.isfinite(a)))
         errors[f"{name} ref"] = rel_error(a, b) if finite else float("nan")
         errors[f"{name} f32"] = rel_error(a, c) if finite else float("nan")
-    del got, want, exact
+    del got, want, f32
     ms = None
     if not interpret:
         bf16 = KernelPrecision(dot_dtype=jnp.bfloat16, tile_dtype=jnp.bfloat16, precise=False)
-        tri = jax.jit(lambda t, l, h: triton.state_fwd(t, l, None, h, gate=Gate.SCALAR,
-                                                       precision=bf16))
+        if form == "state_fwd":
+            tri = lambda t, l, h: triton.state_fwd(t, l, None, h, gate=Gate.SCALAR,
+                                                   precision=bf16)
+        else:
+            tri = lambda t, l, h: triton.state_output(t, l, None, h, True, gate=Gate.SCALAR,
+                                                      precision=bf16, out_dtype=jnp.bfloat16)
         ms = {"jaxcp-mosaic": pipelined_ms(kernel, terms, layout, h0),
-              "jaxcp-pallas": pipelined_ms(tri, terms, layout, h0)}
-    return dict(NT=NT, H=H, errors=errors, ms=ms, device=jax.devices()[0].device_kind,
-                jax=jax.__version__)
+              "jaxcp-pallas": pipelined_ms(jax.jit(tri), terms, layout, h0)}
+    return dict(form=form, NT=NT, H=H, errors=errors, ms=ms,
+                device=jax.devices()[0].device_kind, jax=jax.__version__)
 
 
 def within_limits(errors: dict) -> bool:
@@ -105,13 +123,13 @@ def main(argv=None) -> int:
     if min(args.NT) < 1 or args.H < 1:
         ap.error("--NT and --H must be positive")
     records, ok = [], True
-    for NT in args.NT:
-        r = check(NT, args.H, args.interpret)
+    for form, NT in ((form, NT) for form in FORMS for NT in args.NT):
+        r = check(form, NT, args.H, args.interpret)
         records.append(r)
         ok &= within_limits(r["errors"])
         times = "" if r["ms"] is None else "  " + ", ".join(
             f"{impl} {ms:.3f} ms" for impl, ms in r["ms"].items())
-        print(f"NT {NT:5d} H {args.H:3d}  " + "  ".join(
+        print(f"{form:12s} NT {NT:5d} H {args.H:3d}  " + "  ".join(
             f"{name} {e:.1e}" for name, e in r["errors"].items()) + times, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -29,7 +29,7 @@ MIN_SEGMENTS = 4
 def choose_segments(segments: int | None, *, backend: str, gate: Gate, across_devices: bool,
                     batch: int, heads: int, k_dim: int, v_dim: int, piece_len: int) -> int:
     """S for a piece of piece_len tokens of `batch` rows of `heads` value heads. segments:
-    the caller's (1: no split), or None: on the Pallas backend, the largest power of two S at
+    the caller's (1: no split), or None: on the GPU backends, the largest power of two S at
     which B HV S times the blocks of state columns (GDN's blocks) fill the GPU at most once,
     if it is at least MIN_SEGMENTS, divides piece_len and leaves segments of
     MIN_SEGMENT_TOKENS; 1 otherwise, and at head widths other than K = V = 128 (the ones
@@ -38,7 +38,7 @@ def choose_segments(segments: int | None, *, backend: str, gate: Gate, across_de
     parallel recurrences save (docs/benchmarks/segments.md)."""
     if segments is not None:
         return segments
-    if (backend != "pallas" or (k_dim, v_dim) != (128, 128)
+    if (backend not in ("pallas", "mosaic") or (k_dim, v_dim) != (128, 128)
             or (gate is Gate.CHANNEL and not across_devices)):
         return 1
     from jaxcp.pallas.triton.common.launch import FULL_GRID, StateBlocks

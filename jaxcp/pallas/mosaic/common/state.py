@@ -1,6 +1,8 @@
-"""The forward chunk state recurrence (GDN's scalar gate) as one Mosaic GPU kernel: the twin
-of ``jaxcp.xla.state.state_fwd``, with its signature and layout (chunks on axis 0, then batch
-B and value heads HV; plain terms, chunk layout).
+"""The forward chunk state recurrence (GDN's scalar gate) as one Mosaic GPU kernel, in two
+forms from one body: ``state_fwd``, the twin of ``jaxcp.xla.state.state_fwd`` (h and v_new per
+chunk, for the backward), and ``state_output``, the twin of ``jaxcp.xla.output.state_output``
+(the recurrence fused with the output; nothing per chunk but o leaves). Plain terms in chunk
+layout (chunks on axis 0, then batch B and value heads HV).
 
 One program per (batch row b, value head hv, block of BV state columns) holds its [K, BV]
 slice of the state S in float32 registers (the wgmma accumulator layout) and runs the
@@ -8,20 +10,22 @@ chunks in order:
 
     S_c   = init[seq_c] if starts_c else S          (zero without init)
     vn_c  = u_c - w_c S_c                           [C, BV]
+    o_c   = qg_c S_c + attn_c vn_c                  [C, BV]   (state_output)
     S     = decay_c S_c + kd_c^T vn_c               [K, BV]
+    finals[seq_c] = S  if ends_c                              (state_output, with_finals)
 
-w_c, kd_c [C, K] and u_c [C, BV] arrive in shared memory by TMA, into a ring of two slots:
-chunk c + 1's copies are issued before chunk c's products, so they run while the products
-do. S_c and vn_c are written to shared memory in the operand dtype (bf16 or f16, as the
-Triton kernels' bf16 products) for the two wgmma products, which accumulate in float32; the
-same tiles go out by TMA as h_c (the state entering chunk c) and vn_c, one chunk's stores
-in flight while the next chunk computes. The last state leaves in float32.
+The chunk's tiles (w, kd, u; and qg, attn for the output) arrive in shared memory by TMA,
+into a ring of two slots: chunk c + 1's copies are issued before chunk c's products, so they
+run while the products do. S_c and vn_c are written to shared memory in the operand dtype
+(bf16 or f16, as the Triton kernels' bf16 products) for the wgmma products, which accumulate
+in float32. The tiles that leave (h_c and vn_c from the operand tiles; o_c) go out by TMA,
+one chunk's stores in flight while the next chunk computes. The last state and the finals
+leave in float32.
 
-Shapes: w, kd [NT, B, HV, C, K] bf16 or f16; u [NT, B, HV, C, V]; decay [NT, B, HV, 1];
-layout.chunk_starts, chunk_seq [NT, B]; init [N, HV, K, V] or None; h0 [B, HV, K, V]. Returns
-h [NT, B, HV, K, V] and v_new [NT, B, HV, C, V] in the operand dtype, and the last state
-[B, HV, K, V] float32.
-C, K and V are multiples of 64 (wgmma's tile).
+Shapes: w, kd, qg [NT, B, HV, C, K] bf16 or f16 (one dtype, the operand dtype); attn
+[NT, B, HV, C, C] in it; u [NT, B, HV, C, V]; decay [NT, B, HV, 1]; layout.chunk_starts,
+chunk_ends, chunk_seq [NT, B], seq_ends_here [N]; init [N, HV, K, V] or None; h0
+[B, HV, K, V]. C, K and V are multiples of 64 (wgmma's tile).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.layout import ChunkLayout
 from jaxcp.terms import ChunkTerms
+from jaxcp.vma import unify
 
 SWIZZLE_BYTES = 128
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -54,70 +59,147 @@ def _operand_smem(shape: tuple[int, int], dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _smem_bytes(C: int, K: int, BV: int) -> int:
-    """The kernel's shared memory: two ring slots of w, kd (2 bytes) and u (float32), the
-    operand tiles of S and vn (h and v_new leave from them), and the last state's float32
-    tile."""
-    return 2 * (2 * C * K * 2 + C * BV * 4) + (K * BV + C * BV) * 2 + K * BV * 4
+def _smem_bytes(C: int, K: int, BV: int, u_bytes: int, out_bytes: int | None,
+                factored: bool) -> int:
+    """The kernel's shared memory: two ring slots of w, kd (and qg, attn with the output: 2
+    bytes each), u (u_bytes per element) and the row factors (factored: k's, and q's with
+    the output, float32), the operand tiles of S, vn (and factored, k_rows vn), o's tile
+    (out_bytes per element; None: no output), and the float32 tile of the last state and
+    the finals."""
+    with_output = out_bytes is not None
+    per_slot = ((2 * C * K + (C * K + C * C if with_output else 0)) * 2 + C * BV * u_bytes
+                + (C * 4 * (2 if with_output else 1) if factored else 0))
+    return (2 * per_slot + (K * BV + C * BV * (2 if factored else 1)) * 2
+            + C * BV * (out_bytes or 0) + K * BV * 4)
 
 
-def _check(terms: ChunkTerms, init: jax.Array | None, h0: jax.Array, block_cols: int) -> None:
+def _refusal(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
+             block_cols: int, with_output: bool, out_dtype) -> Exception | None:
+    """The error for what the kernel does not take, or None."""
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
+    factored = terms.k_rows is not None
     if tuple(h0.shape) != (B, HV, K, V):
-        raise ValueError(f"h0 must be [B, HV, K, V] = {(B, HV, K, V)}, got {tuple(h0.shape)}")
+        return ValueError(f"h0 must be [B, HV, K, V] = {(B, HV, K, V)}, got {tuple(h0.shape)}")
     if init is not None and (init.ndim != 4 or tuple(init.shape[1:]) != (HV, K, V)):
-        raise ValueError(f"init must be [N, HV, K, V] with (HV, K, V) = {(HV, K, V)}, got "
-                         f"{tuple(init.shape)}")
+        return ValueError(f"init must be [N, HV, K, V] with (HV, K, V) = {(HV, K, V)}, got "
+                          f"{tuple(init.shape)}")
     if terms.decay.shape[-1] != 1:
-        raise ValueError(f"the Mosaic state kernel takes the scalar gate (decay [..., 1]), "
-                         f"got decay {tuple(terms.decay.shape)}")
-    if terms.q_rows is not None:
-        raise ValueError("the Mosaic state kernel takes plain terms, not row-factored ones")
+        return ValueError(f"the Mosaic state kernel takes the scalar gate (decay [..., 1]), "
+                          f"got decay {tuple(terms.decay.shape)}")
+    if factored and layout.token_start is not None:
+        return ValueError("the Mosaic state kernel reads row-factored terms' q, k as whole "
+                          "chunks: a layout with a token table (packed sequences, or T not a "
+                          "multiple of C) is not supported")
+    if factored and with_output and terms.q_rows is None:
+        return ValueError("row-factored terms for the output need q_rows as well as k_rows")
     for name, n in (("C", C), ("K", K), ("V", V), ("block_cols", block_cols)):
         if n % 64:
-            raise ValueError(f"the Mosaic state kernel needs {name} a multiple of 64, got {n}")
+            return ValueError(f"the Mosaic state kernel needs {name} a multiple of 64, got {n}")
     if V % block_cols:
-        raise ValueError(f"block_cols {block_cols} must divide V = {V}")
-    if _smem_bytes(C, K, block_cols) > SMEM_BYTES:
-        raise ValueError(f"block_cols {block_cols} at C = {C}, K = {K} needs "
-                         f"{_smem_bytes(C, K, block_cols)} bytes of shared memory, over "
-                         f"{SMEM_BYTES}: take fewer columns")
-    if terms.w.dtype not in OPERAND_DTYPES or terms.kd.dtype != terms.w.dtype:
-        raise TypeError(f"the Mosaic state kernel takes w and kd in one of bfloat16, float16 "
-                        f"(its products' operands), got {terms.w.dtype} and {terms.kd.dtype}")
+        return ValueError(f"block_cols {block_cols} must divide V = {V}")
+    if with_output and jnp.dtype(out_dtype) not in OPERAND_DTYPES + (jnp.float32,):
+        return TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    smem = _smem_bytes(C, K, block_cols, terms.u.dtype.itemsize,
+                       jnp.dtype(out_dtype).itemsize if with_output else None, factored)
+    if smem > SMEM_BYTES:
+        return ValueError(f"block_cols {block_cols} at C = {C}, K = {K} needs {smem} bytes of "
+                          f"shared memory, over {SMEM_BYTES}: take fewer columns")
+    operands = {"w": terms.w, "kd": terms.kd}
+    if with_output:
+        operands.update(qg=terms.qg, attn=terms.attn)
+    dtypes = {name: x.dtype for name, x in operands.items()}
+    if terms.w.dtype not in OPERAND_DTYPES or len(set(dtypes.values())) != 1:
+        return TypeError(f"the Mosaic state kernel takes {', '.join(dtypes)} in one of "
+                         f"bfloat16, float16 (its products' operands), got "
+                         f"{', '.join(str(d) for d in dtypes.values())}")
+    if factored:
+        T = layout.chunk_starts.shape[0] * C
+        tokens = {"kd": terms.kd} | ({"qg": terms.qg} if with_output else {})
+        for name, x in tokens.items():
+            if tuple(x.shape) != (B, T, HV, K):
+                return ValueError(f"row-factored {name} must be the token tensor [B, T, HV, K] "
+                                  f"= {(B, T, HV, K)}, got {tuple(x.shape)}")
+    elif with_output and tuple(terms.qg.shape) != tuple(terms.w.shape):
+        return ValueError(f"qg must be [NT, B, HV, C, K] = {tuple(terms.w.shape)}, got "
+                          f"{tuple(terms.qg.shape)}")
+    if with_output and tuple(terms.attn.shape) != (NT, B, HV, C, C):
+        return ValueError(f"attn must be [NT, B, HV, C, C] = {(NT, B, HV, C, C)}, got "
+                          f"{tuple(terms.attn.shape)}")
+    return None
 
 
-def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
-              *, blocks: StateBlocks = StateBlocks(), interpret: bool = False):
-    """h [NT, B, HV, K, V] (the state entering each chunk) and v_new [NT, B, HV, C, V] in the
-    operand dtype, and the state after the last chunk [B, HV, K, V] float32 (module
-    docstring). interpret: run in
-    Mosaic GPU's interpret mode (any device)."""
+def _check(*args) -> None:
+    error = _refusal(*args)
+    if error is not None:
+        raise error
+
+
+def takes(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
+          with_output: bool, out_dtype=None, blocks: StateBlocks = StateBlocks()) -> bool:
+    """Whether the kernel runs on these terms and this layout (``state_output`` with_output,
+    else ``state_fwd``); where it does not, the call raises the reason."""
+    return _refusal(terms, layout, init, h0, blocks.block_cols, with_output,
+                    jnp.dtype(out_dtype or terms.w.dtype)) is None
+
+
+def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
+         with_output: bool, with_finals: bool, out_dtype, blocks: StateBlocks,
+         interpret: bool):
+    """The kernel (module docstring) with_output: o and, with_finals, the finals; otherwise h
+    and v_new. Returns its outputs: (h, v_new, last) or (o, finals, last), finals [N, HV,
+    K, V] with the rows of sequences that end on no chunk here unwritten."""
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
     BV = blocks.block_cols
-    _check(terms, init, h0, BV)
+    _check(terms, layout, init, h0, BV, with_output, out_dtype)
     operand = terms.w.dtype
     f32 = jnp.float32
     has_init = init is not None
+    factored = terms.k_rows is not None
+    N = layout.seq_ends_here.shape[0] if with_finals else 1
     acc_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # stores issued per chunk: h, v_new; or o
+    stores = 1 if with_output else 2
+    slot_copies = 3 + (2 if with_output else 0) + (int(factored) * (2 if with_output else 1))
 
-    def kernel(w_g, u_g, kd_g, decay_g, starts_g, seq_g, init_g, h0_g,
-               h_g, vn_g, last_g, w_s, kd_s, u_s, s_s, vn_s, last_s, arrived):
+    def kernel(*refs):
+        (w_g, u_g, kd_g, qg_g, attn_g, k_rows_g, q_rows_g, decay_g, starts_g, ends_g, seq_g,
+         init_g, h0_g, out1_g, out2_g, last_g,
+         w_s, kd_s, qg_s, attn_s, u_s, k_rows_s, q_rows_s, s_s, vn_s, vnk_s, o_s, last_s,
+         arrived) = refs
         b, hv, j = lax.axis_index("b"), lax.axis_index("hv"), lax.axis_index("j")
         cols = pl.ds(j * BV, BV)
 
+        def chunk_tile(ref, c):
+            """Chunk c's [C, K] tile of q or k: chunk layout, or the token tensor's rows."""
+            return ref.at[b, pl.ds(c * C, C), hv] if factored else ref.at[c, b, hv]
+
         def fetch(c, slot):
-            """Chunk c's w, kd and u into a ring slot; arrived[slot] counts the three."""
-            plgpu.copy_gmem_to_smem(w_g.at[c, b, hv], w_s.at[slot], arrived.at[slot])
-            plgpu.copy_gmem_to_smem(kd_g.at[c, b, hv], kd_s.at[slot], arrived.at[slot])
-            plgpu.copy_gmem_to_smem(u_g.at[c, b, hv, :, cols], u_s.at[slot], arrived.at[slot])
+            """Chunk c's tiles into a ring slot; arrived[slot] counts them."""
+            copy = lambda src, dst: plgpu.copy_gmem_to_smem(src, dst.at[slot],
+                                                            arrived.at[slot])
+            copy(w_g.at[c, b, hv], w_s)
+            copy(chunk_tile(kd_g, c), kd_s)
+            copy(u_g.at[c, b, hv, :, cols], u_s)
+            if factored:
+                copy(k_rows_g.at[c, b, hv], k_rows_s)
+            if with_output:
+                copy(chunk_tile(qg_g, c), qg_s)
+                copy(attn_g.at[c, b, hv], attn_s)
+                if factored:
+                    copy(q_rows_g.at[c, b, hv], q_rows_s)
 
         def tile(ref):
             """A [rows, BV] float32 tile of global memory into registers (element by element:
             jax 0.11.2 has no vectorised global load in this layout)."""
             return plgpu.load(ref, layout=acc_layout, optimized=False)
+
+        def scale_rows(rows_s, slot, x):
+            """diag(rows) x for a chunk's [C] row factors in shared memory."""
+            rows = plgpu.load(rows_s.at[slot], layout=row_layout)
+            return lax.broadcast_in_dim(rows, x.shape, [0]) * x
 
         def entering(c, S):
             if has_init:
@@ -127,20 +209,30 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
             # a sequence start selects the fresh state: what came before never reaches it
             return lax.cond(plgpu.load(starts_g.at[c, b]) != 0, fresh, lambda: S)
 
-        def product(a, b_, shape):
+        def products(pairs, shape):
+            """sum_i a_i b_i, float32."""
             def run(acc):
-                plgpu.wgmma(acc, a, b_)
+                for a, b_ in pairs:
+                    plgpu.wgmma(acc, a, b_)
                 return acc[...]
             return pl.run_scoped(run, plgpu.ACC(shape, f32))
 
-        def operand_out(tile_s, value, dst):
-            """value in the operand dtype into tile_s, once tile_s's store of the chunk before
-            has read it (the other tile's store may still be in flight), and from there both
-            to the next product and, by TMA, to dst."""
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            tile_s[...] = value.astype(operand)
+        def to_smem(tile_s, value, dst=None):
+            """value in tile_s's dtype into tile_s, once the stores that read it a chunk
+            ago are done (the chunk's other stores may still be in flight), and from there
+            to the products and, by TMA, to dst."""
+            if dst is not None:
+                plgpu.wait_smem_to_gmem(stores - 1, wait_read_only=True)
+            tile_s[...] = value.astype(tile_s.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile_s, dst)
+            if dst is not None:
+                plgpu.copy_smem_to_gmem(tile_s, dst)
+
+        def output_rows(c):
+            """Where chunk c's o goes: chunk layout, or the token tensor's rows."""
+            if factored:
+                return out1_g.at[b, pl.ds(c * C, C), hv, cols]
+            return out1_g.at[c, b, hv, :, cols]
 
         def chunk(c, S):
             slot = lax.rem(c, 2)
@@ -150,57 +242,167 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
                 fetch(c + 1, 1 - slot)
 
             S = entering(c, S)
-            operand_out(s_s, S, h_g.at[c, b, hv, :, cols])
+            to_smem(s_s, S, None if with_output else out1_g.at[c, b, hv, :, cols])
             plgpu.barrier_wait(arrived.at[slot])
-            u = plgpu.load(u_s.at[slot], layout=acc_layout)
-            vn = u - product(w_s.at[slot], s_s, (C, BV))
-            operand_out(vn_s, vn, vn_g.at[c, b, hv, :, cols])
-            decay = plgpu.load(decay_g.at[c, b, hv])
-            return decay * S + product(kd_s.at[slot].T, vn_s, (K, BV))
+            u = plgpu.load(u_s.at[slot], layout=acc_layout).astype(f32)
+            vn = u - products([(w_s.at[slot], s_s)], (C, BV))
+            to_smem(vn_s, vn, None if with_output else out2_g.at[c, b, hv, :, cols])
+            if with_output:
+                if factored:
+                    o = (scale_rows(q_rows_s, slot, products([(qg_s.at[slot], s_s)], (C, BV)))
+                         + products([(attn_s.at[slot], vn_s)], (C, BV)))
+                else:
+                    o = products([(qg_s.at[slot], s_s), (attn_s.at[slot], vn_s)], (C, BV))
+                to_smem(o_s, o, output_rows(c))
+            if factored:
+                # kd^T vn = k^T (diag(k_rows) vn)
+                to_smem(vnk_s, scale_rows(k_rows_s, slot, vn))
+                update = products([(kd_s.at[slot].T, vnk_s)], (K, BV))
+            else:
+                update = products([(kd_s.at[slot].T, vn_s)], (K, BV))
+            S = plgpu.load(decay_g.at[c, b, hv]) * S + update
+            if with_finals:
+                @pl.when(plgpu.load(ends_g.at[c, b]) != 0)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    last_s[...] = S
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(last_s,
+                                            out2_g.at[plgpu.load(seq_g.at[c, b]), hv, :, cols])
+            return S
 
         fetch(0, 0)
-        last_s[...] = lax.fori_loop(0, NT, chunk, tile(h0_g.at[b, hv, :, cols]))
+        last = lax.fori_loop(0, NT, chunk, tile(h0_g.at[b, hv, :, cols]))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        last_s[...] = last
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(last_s, last_g.at[b, hv, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
+    # inputs a form does not read are passed as one-element stand-ins
+    stand_in = lambda x, used, ndim: x if used else jnp.zeros((1,) * ndim, f32)
+    args, manual_axes = unify([
+        terms.w, terms.u, terms.kd,
+        stand_in(terms.qg, with_output, 5), stand_in(terms.attn, with_output, 5),
+        stand_in(terms.k_rows, factored, 4), stand_in(terms.q_rows, factored and with_output, 4),
+        terms.decay[..., 0].astype(f32), layout.chunk_starts.astype(jnp.int32),
+        layout.chunk_ends.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
+        init.astype(f32) if has_init else jnp.zeros((1, 1, 1, 1), f32), h0.astype(f32)])
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                       manual_axis_type=manual_axes)
+    if with_output:
+        o_shape = (B, NT * C, HV, V) if factored else (NT, B, HV, C, V)
+        out_type = (struct(o_shape, out_dtype), struct((N, HV, K, V), f32))
+    else:
+        out_type = (struct((NT, B, HV, K, V), operand), struct((NT, B, HV, C, V), operand))
+    # tiles a form does not use get a stand-in of one swizzle tile (or 64 floats)
+    tile_if = lambda used, shape, dtype=operand: _operand_smem(
+        shape if used else shape[:-2] + (8, 64), dtype)
+    rows_if = lambda used: plgpu.SMEM((2, C if used else 64), f32)
     call = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((NT, B, HV, K, V), operand),
-                  jax.ShapeDtypeStruct((NT, B, HV, C, V), operand),
-                  jax.ShapeDtypeStruct((B, HV, K, V), f32)),
+        out_type=out_type + (struct((B, HV, K, V), f32),),
         scratch_types=[_operand_smem((2, C, K), operand), _operand_smem((2, C, K), operand),
-                       plgpu.SMEM((2, C, BV), f32),
+                       tile_if(with_output, (2, C, K)), tile_if(with_output, (2, C, C)),
+                       plgpu.SMEM((2, C, BV), terms.u.dtype),
+                       rows_if(factored), rows_if(factored and with_output),
                        _operand_smem((K, BV), operand), _operand_smem((C, BV), operand),
+                       tile_if(factored, (C, BV)),
+                       tile_if(with_output, (C, BV), out_dtype or operand),
                        plgpu.SMEM((K, BV), f32),
-                       plgpu.Barrier(num_arrivals=3, num_barriers=2)],
+                       plgpu.Barrier(num_arrivals=slot_copies, num_barriers=2)],
         grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    init_arg = init.astype(f32) if has_init else jnp.zeros((1, HV, K, V), f32)
-    return call(terms.w, terms.u.astype(f32), terms.kd, terms.decay[..., 0].astype(f32),
-                layout.chunk_starts.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
-                init_arg, h0.astype(f32))
+    return call(*args)
+
+
+def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
+              *, blocks: StateBlocks = StateBlocks(), interpret: bool = False):
+    """h [NT, B, HV, K, V] (the state entering each chunk) and v_new [NT, B, HV, C, V] in the
+    operand dtype, and the state after the last chunk [B, HV, K, V] float32 (module
+    docstring). interpret: run in Mosaic GPU's interpret mode (any device)."""
+    return _run(terms, layout, init, h0, with_output=False, with_finals=False,
+                out_dtype=None, blocks=blocks, interpret=interpret)
+
+
+def state_output(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                 h0: jax.Array, with_finals: bool, *, out_dtype=None,
+                 blocks: StateBlocks = StateBlocks(), interpret: bool = False):
+    """(o [NT, B, HV, C, V] in out_dtype (the operand dtype if None); the final states
+    [N, HV, K, V] float32 of the sequences that end here, zero for the others, or None
+    without with_finals) (module docstring)."""
+    o, finals, _ = _run(terms, layout, init, h0, with_output=True, with_finals=with_finals,
+                        out_dtype=jnp.dtype(out_dtype or terms.w.dtype), blocks=blocks,
+                        interpret=interpret)
+    if not with_finals:
+        return o, None
+    # rows of sequences that end elsewhere are never written: a selection, not a product
+    return o, jnp.where(layout.seq_ends_here[:, None, None, None], finals, 0.0)
+
+
+def _chunks_of_tokens(x: jax.Array, C: int) -> jax.Array:
+    """A token tensor [B, T, HV, d] of whole chunks as chunk layout [T / C, B, HV, C, d]."""
+    B, T, HV, d = x.shape
+    return x.reshape(B, T // C, C, HV, d).transpose(1, 0, 3, 2, 4)
+
+
+def _reference_scan(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                    h0: jax.Array):
+    """The recurrence in jnp with the kernel's operand roundings (the state, vn, and for
+    row-factored terms k_rows vn, rounded to the operand dtype before their products,
+    float32 accumulation). Returns the last state and, per chunk, (h, vn) in the operand
+    dtype and the state after the chunk, float32."""
+    operand = terms.w.dtype
+    f32 = jnp.float32
+    C = terms.w.shape[-2]
+    rounded = lambda x: x.astype(operand).astype(f32)
+    factored = terms.k_rows is not None
+    k = _chunks_of_tokens(terms.kd, C) if factored else terms.kd
+    k_rows = terms.k_rows if factored else jnp.ones(terms.w.shape[:-1], f32)
+
+    def step(S, xs):
+        w, u, k, k_rows, decay, starts, seq = xs
+        fresh = jnp.zeros_like(S) if init is None else init[seq].astype(f32)
+        S = jnp.where(starts[:, None, None, None], fresh, S)
+        vn = u.astype(f32) - jnp.einsum("bhck,bhkv->bhcv", w.astype(f32), rounded(S))
+        after = decay.astype(f32)[..., None] * S + jnp.einsum(
+            "bhck,bhcv->bhkv", k.astype(f32), rounded(k_rows[..., None] * vn))
+        return after, (S.astype(operand), vn.astype(operand), after)
+
+    return lax.scan(step, h0.astype(f32), (terms.w, terms.u, k, k_rows, terms.decay,
+                                            layout.chunk_starts, layout.chunk_seq))
 
 
 def state_fwd_reference(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
                         h0: jax.Array):
-    """The kernel's numbers in jnp: ``xla.state.state_fwd``'s recurrence with the state and
-    vn rounded to the operand dtype before their products, as the kernel's wgmma operands
+    """``state_fwd``'s numbers in jnp: ``xla.state.state_fwd``'s recurrence with the state
+    and vn rounded to the operand dtype before their products, as the kernel's wgmma operands
     are (float32 accumulation), and h and v_new returned in it, as the kernel's are."""
-    operand = terms.w.dtype
-    f32 = jnp.float32
-    rounded = lambda x: x.astype(operand).astype(f32)
-
-    def step(S, xs):
-        w, u, kd, decay, starts, seq = xs
-        fresh = jnp.zeros_like(S) if init is None else init[seq].astype(f32)
-        S = jnp.where(starts[:, None, None, None], fresh, S)
-        vn = u.astype(f32) - jnp.einsum("bhck,bhkv->bhcv", w.astype(f32), rounded(S))
-        out = decay.astype(f32)[..., None] * S + jnp.einsum(
-            "bhck,bhcv->bhkv", kd.astype(f32), rounded(vn))
-        return out, (S.astype(operand), vn.astype(operand))
-
-    last, (h, vn) = lax.scan(step, h0.astype(f32), (terms.w, terms.u, terms.kd, terms.decay,
-                                                    layout.chunk_starts, layout.chunk_seq))
+    last, (h, vn, _) = _reference_scan(terms, layout, init, h0)
     return h, vn, last
 
+
+def state_output_reference(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                           h0: jax.Array, with_finals: bool, *, out_dtype=None):
+    """``state_output``'s numbers in jnp, with the kernel's roundings: o = qg h + attn vn
+    (row-factored: diag(q_rows) q h + attn vn) from the operand-dtype h and vn (float32
+    accumulation) in out_dtype, and the finals, the float32 state after each sequence's
+    last chunk here."""
+    f32 = jnp.float32
+    NT, B, HV, C, K = terms.w.shape
+    _, (h, vn, after) = _reference_scan(terms, layout, init, h0)
+    factored = terms.q_rows is not None
+    q = _chunks_of_tokens(terms.qg, C) if factored else terms.qg
+    o = jnp.einsum("nbhck,nbhkv->nbhcv", q.astype(f32), h.astype(f32))
+    if factored:
+        o = terms.q_rows[..., None] * o
+    o = o + jnp.einsum("nbhcd,nbhdv->nbhcv", terms.attn.astype(f32), vn.astype(f32))
+    o = o.astype(out_dtype or terms.w.dtype)
+    if factored:
+        o = o.transpose(1, 0, 3, 2, 4).reshape(B, NT * C, HV, -1)
+    if not with_finals:
+        return o, None
+    N = layout.seq_ends_here.shape[0]
+    rows = jnp.where(layout.chunk_ends, layout.chunk_seq, N)      # N: dropped
+    finals = jnp.zeros((N,) + after.shape[2:], f32).at[rows].set(after, mode="drop")
+    return o, finals
