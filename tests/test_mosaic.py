@@ -225,3 +225,30 @@ def test_mosaic_stages_agree_with_the_triton_ones_on_gdn_terms():
 
     packed, _ = build_layout(B, T, 64, jnp.array([0, 50, T], jnp.int32), 0, T)
     assert not mosaic_state.takes(terms, packed, init, h0, with_output=True)
+
+
+def test_mosaic_stages_leave_shard_map_bodies_to_triton(monkeypatch):
+    """The "mosaic" backend runs the Mosaic kernels outside shard_map and the Triton ones
+    inside it (``stages._mosaic_gdn_stages``); traced only (eval_shape), on the CPU."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxcp.gate import Gate
+    from jaxcp.layout import build_layout
+    from jaxcp.stages import stage_options, stages_for
+    terms, _, init, h0 = chunk_problem()
+    terms, _ = row_factored(terms)
+    terms = terms._replace(u=terms.u.astype(jnp.bfloat16))
+    layout, _ = build_layout(1, terms.kd.shape[1], 64, None, 0, terms.kd.shape[1])
+    ran = []
+    real = mosaic_state.state_output
+    monkeypatch.setattr(mosaic_state, "state_output",
+                        lambda *a, **kw: ran.append("mosaic") or real(*a, **kw))
+    T = terms.kd.shape[1]
+    stages = stages_for(stage_options("mosaic", Gate.SCALAR, jnp.bfloat16, 128, unit_qk=True,
+                                      tokens=T))
+    run = lambda h: stages.state_output(terms, layout, init, h, True)[0]
+    jax.eval_shape(run, h0)
+    assert ran == ["mosaic"]
+    mesh = Mesh(jax.devices()[:2], ("seq",))
+    jax.eval_shape(jax.shard_map(lambda h: run(h[0])[None], mesh=mesh, in_specs=P("seq"),
+                                 out_specs=P("seq")), jnp.stack([h0, h0]))
+    assert ran == ["mosaic"]

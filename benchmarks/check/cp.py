@@ -33,7 +33,7 @@ def parse_args(argv=None):
                     help="cu_seqlens as comma list, 'auto' (a packed set crossing devices) "
                          "or 'none'")
     ap.add_argument("--iters", type=int, default=3, help="timed runs (median)")
-    ap.add_argument("--backend", default=None, choices=["xla", "pallas", "interpret"],
+    ap.add_argument("--backend", default=None, choices=["xla", "pallas", "mosaic", "interpret"],
                     help="jaxcp backend (default: automatic)")
     args = ap.parse_args(argv)
     for name in ("T", "H", "K", "V", "iters"):

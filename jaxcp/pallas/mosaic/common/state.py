@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.layout import ChunkLayout
 from jaxcp.terms import ChunkTerms
-from jaxcp.vma import unify
+from jaxcp.vma import unify, vary_like
 
 SWIZZLE_BYTES = 128
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -193,8 +193,10 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
 
         def tile(ref):
             """A [rows, BV] float32 tile of global memory into registers (element by element:
-            jax 0.11.2 has no vectorised global load in this layout)."""
-            return plgpu.load(ref, layout=acc_layout, optimized=False)
+            jax 0.11.2 has no vectorised global load in this layout). Times one: inside
+            shard_map a load keeps its ref's varying axes while the kernel's arithmetic
+            drops them, and the loop's carry must be of one type."""
+            return plgpu.load(ref, layout=acc_layout, optimized=False) * 1.0
 
         def scale_rows(rows_s, slot, x):
             """diag(rows) x for a chunk's [C] row factors in shared memory."""
@@ -281,15 +283,14 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
 
     # inputs a form does not read are passed as one-element stand-ins
     stand_in = lambda x, used, ndim: x if used else jnp.zeros((1,) * ndim, f32)
-    args, manual_axes = unify([
+    args, _ = unify([
         terms.w, terms.u, terms.kd,
         stand_in(terms.qg, with_output, 5), stand_in(terms.attn, with_output, 5),
         stand_in(terms.k_rows, factored, 4), stand_in(terms.q_rows, factored and with_output, 4),
         terms.decay[..., 0].astype(f32), layout.chunk_starts.astype(jnp.int32),
         layout.chunk_ends.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
         init.astype(f32) if has_init else jnp.zeros((1, 1, 1, 1), f32), h0.astype(f32)])
-    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                       manual_axis_type=manual_axes)
+    struct = jax.ShapeDtypeStruct
     if with_output:
         o_shape = (B, NT * C, HV, V) if factored else (NT, B, HV, C, V)
         out_type = (struct(o_shape, out_dtype), struct((N, HV, K, V), f32))
@@ -313,7 +314,9 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
                        plgpu.Barrier(num_arrivals=slot_copies, num_barriers=2)],
         grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(*args)
+    # plgpu.kernel types its outputs as varying over no manual axis of an enclosing
+    # shard_map; they vary over the inputs' axes
+    return vary_like(call(*args), args[0])
 
 
 def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
