@@ -24,3 +24,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 import chex  # noqa: E402
 
 chex.set_n_cpu_devices(8)
+
+# The modules whose tests run scripts in subprocesses (tens of seconds each). They are queued
+# first, so that the workers spend the run's end on short tests and finish together.
+LONG_MODULES = ("test_multiprocess.py", "test_train.py", "test_readme.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES)

@@ -283,14 +283,15 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
 
     # inputs a form does not read are passed as one-element stand-ins
     stand_in = lambda x, used, ndim: x if used else jnp.zeros((1,) * ndim, f32)
-    args, _ = unify([
+    args, manual_axes = unify([
         terms.w, terms.u, terms.kd,
         stand_in(terms.qg, with_output, 5), stand_in(terms.attn, with_output, 5),
         stand_in(terms.k_rows, factored, 4), stand_in(terms.q_rows, factored and with_output, 4),
         terms.decay[..., 0].astype(f32), layout.chunk_starts.astype(jnp.int32),
         layout.chunk_ends.astype(jnp.int32), layout.chunk_seq.astype(jnp.int32),
         init.astype(f32) if has_init else jnp.zeros((1, 1, 1, 1), f32), h0.astype(f32)])
-    struct = jax.ShapeDtypeStruct
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                       manual_axis_type=manual_axes)
     if with_output:
         o_shape = (B, NT * C, HV, V) if factored else (NT, B, HV, C, V)
         out_type = (struct(o_shape, out_dtype), struct((N, HV, K, V), f32))
@@ -300,6 +301,8 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
     tile_if = lambda used, shape, dtype=operand: _operand_smem(
         shape if used else shape[:-2] + (8, 64), dtype)
     rows_if = lambda used: plgpu.SMEM((2, C if used else 64), f32)
+    # the kernel's name in profiles and in the compiled module: one per form
+    kernel.__name__ = "mosaic_gdn_" + ("state_output" if with_output else "state_fwd")
     call = plgpu.kernel(
         kernel,
         out_type=out_type + (struct((B, HV, K, V), f32),),
@@ -314,8 +317,8 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
                        plgpu.Barrier(num_arrivals=slot_copies, num_barriers=2)],
         grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    # plgpu.kernel types its outputs as varying over no manual axis of an enclosing
-    # shard_map; they vary over the inputs' axes
+    # some versions of plgpu.kernel type the outputs as varying over no manual axis of an
+    # enclosing shard_map whatever the structs say; they vary over the inputs' axes
     return vary_like(call(*args), args[0])
 
 
