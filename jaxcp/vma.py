@@ -46,9 +46,11 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
 def unify(args: list) -> tuple[list, object]:
     """Cast all arrays in args to vary over the union of their varying axes, for a
     pallas_call inside shard_map(check_vma=True). Returns the cast args and the manual axis
-    type to give the call's output ShapeDtypeStructs (None outside shard_map)."""
+    type to give the call's output ShapeDtypeStructs: None outside shard_map; inside it,
+    the inputs' own where none varies (a pallas_call there needs one, invariant or not)."""
     axes = frozenset().union(*(varying_axes(a) for a in args))
     if not axes:
-        return args, None
+        inside = bool(jax.sharding.get_abstract_mesh().manual_axes)
+        return args, (jax.typeof(args[0]).manual_axis_type if inside else None)
     cast = [_vary_over(a, axes) for a in args]
     return cast, jax.typeof(cast[0]).manual_axis_type

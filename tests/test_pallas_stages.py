@@ -1,6 +1,7 @@
 """Each Pallas stage (interpret mode on the CPU) against its XLA twin."""
 from dataclasses import replace
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -695,3 +696,27 @@ def test_bf16x3_products_keep_16_bits():
         want = np.asarray(x, np.float64) @ np.asarray(y, np.float64)
         got = np.asarray(product(x, y))
         assert np.abs(got - want).max() <= 2.0 ** -16 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernels_trace_inside_shard_map_on_replicated_inputs(kind):
+    """Inside shard_map(check_vma=True) with inputs that vary over no axis (replicated over
+    the mesh, as a layer's inputs over a tensor-parallel axis), every kernel's outputs get a
+    manual axis type (``vma.unify``): the GPU stages (intra, state recurrence with the
+    output) trace; without it pallas_call refuses. Traced only (eval_shape)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    T, H, D = 128, 2, 64
+    q, k, v, g, beta, _ = make_inputs(kind, 1, T, H, H, D, D)
+    layout, _, _ = token_layout(T, 64)
+    opts = StageOptions("pallas", GATES[kind], gate_bound=None, tokens=T)
+    st = stages_for(opts)
+
+    def forward(q, k, v, g, beta):
+        G = st.gate(g, layout)
+        terms = st.intra(q, k, v, G, beta, D ** -0.5, layout)
+        return st.state_output(terms, layout, None, jnp.zeros((1, H, D, D)), False)[0]
+
+    mesh = Mesh(jax.devices()[:2], ("model",))
+    o = jax.eval_shape(jax.shard_map(forward, mesh=mesh, in_specs=P(), out_specs=P()),
+                       q, k, v, g, beta)
+    chex.assert_shape(o, (1, T, H, D))
