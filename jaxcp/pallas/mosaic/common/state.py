@@ -1,8 +1,8 @@
 """The forward chunk state recurrence (GDN's scalar gate) as one Mosaic GPU kernel, in two
 forms from one body: ``state_fwd``, the twin of ``jaxcp.xla.state.state_fwd`` (h and v_new per
 chunk, for the backward), and ``state_output``, the twin of ``jaxcp.xla.output.state_output``
-(the recurrence fused with the output; nothing per chunk but o leaves). Plain terms in chunk
-layout (chunks on axis 0, then batch B and value heads HV).
+(the recurrence fused with the output; nothing per chunk but o leaves). Terms in chunk layout
+(chunks on axis 0, then batch B and value heads HV), plain or row-factored (below).
 
 One program per (batch row b, value head hv, block of BV state columns) holds its [K, BV]
 slice of the state S in float32 registers (the wgmma accumulator layout) and runs the
@@ -22,10 +22,20 @@ in float32. The tiles that leave (h_c and vn_c from the operand tiles; o_c) go o
 one chunk's stores in flight while the next chunk computes. The last state and the finals
 leave in float32.
 
+Row-factored terms (``ChunkTerms``, the Pallas GDN intra kernel's: qg = diag(q_rows) q,
+kd = diag(k_rows) k, with q and k the token tensors [B, T, HV, K]) are read as they are: the
+chunk's rows of q and k by TMA (whole chunks only: a layout without a token table), the row
+factors into the accumulator's row layout, and
+
+    o_c = diag(q_rows) (q_c S_c) + attn_c vn_c,    S = decay_c S_c + k_c^T (diag(k_rows) vn_c)
+
+with diag(k_rows) vn_c rounded to the operand dtype for its product; o leaves token-major,
+[B, T, HV, V].
+
 Shapes: w, kd, qg [NT, B, HV, C, K] bf16 or f16 (one dtype, the operand dtype); attn
-[NT, B, HV, C, C] in it; u [NT, B, HV, C, V]; decay [NT, B, HV, 1]; layout.chunk_starts,
-chunk_ends, chunk_seq [NT, B], seq_ends_here [N]; init [N, HV, K, V] or None; h0
-[B, HV, K, V]. C, K and V are multiples of 64 (wgmma's tile).
+[NT, B, HV, C, C] in it; u [NT, B, HV, C, V] (float32 or the operand dtype); decay
+[NT, B, HV, 1]; layout.chunk_starts, chunk_ends, chunk_seq [NT, B], seq_ends_here [N]; init
+[N, HV, K, V] or None; h0 [B, HV, K, V]. C, K and V are multiples of 64 (wgmma's tile).
 """
 from __future__ import annotations
 
@@ -162,7 +172,9 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # stores issued per chunk: h, v_new; or o
     stores = 1 if with_output else 2
-    slot_copies = 3 + (2 if with_output else 0) + (int(factored) * (2 if with_output else 1))
+    # copies into a ring slot: w, kd, u; qg and attn for the output; k_rows (and q_rows for
+    # the output) of row-factored terms
+    slot_copies = 3 + 2 * with_output + factored * (1 + with_output)
 
     def kernel(*refs):
         (w_g, u_g, kd_g, qg_g, attn_g, k_rows_g, q_rows_g, decay_g, starts_g, ends_g, seq_g,
