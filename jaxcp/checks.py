@@ -58,13 +58,19 @@ def _check_traced_cu_seqlens(cu_seqlens, total: int) -> None:
 
 
 def check_backend(backend) -> None:
-    """backend must be one of BACKENDS, and "pallas" and "mosaic" need a GPU."""
+    """backend must be one of BACKENDS; "pallas" needs a GPU, "mosaic" a Hopper GPU."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in ("pallas", "mosaic") and not gpu_present():
         raise ValueError(f"backend={backend!r} runs GPU kernels, and JAX's backend here is "
                          f"{jax.default_backend()!r}: use backend='interpret' (the Pallas "
                          f"kernels, interpreted: slow) or 'xla'")
+    if backend == "mosaic":
+        capability = str(getattr(jax.devices()[0], "compute_capability", "9.0"))
+        if capability.split(".")[0] != "9":
+            raise ValueError(f"backend='mosaic' runs Hopper kernels (wgmma: compute "
+                             f"capability 9.x), and this GPU's is {capability}: use "
+                             f"backend='pallas'")
 
 
 def check_array(name: str, x, dims: str) -> None:

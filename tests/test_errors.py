@@ -186,6 +186,20 @@ def test_gpu_backends_need_a_gpu(gdn_args, backend):
         call(gdn_args, backend=backend)
 
 
+def test_mosaic_backend_needs_hopper(gdn_args, monkeypatch):
+    """On a GPU that is not a Hopper (compute capability 9.x) backend='mosaic' says to use
+    'pallas' (a GPU of another kind stood in for by the device's attributes)."""
+    import jaxcp.checks as checks
+
+    class Ampere:
+        compute_capability = "8.0"
+    monkeypatch.setattr(checks, "gpu_present", lambda: True)
+    monkeypatch.setattr(checks.jax, "devices", lambda *a: [Ampere()])
+    with pytest.raises(ValueError, match="compute capability 9.x.*8.0: use backend='pallas'"):
+        checks.check_backend("mosaic")
+    checks.check_backend("pallas")
+
+
 def test_mosaic_backend_refuses_what_it_does_not_run():
     """backend='mosaic' runs GDN with bf16 inputs: KDA and float32 inputs are refused with
     the way on."""
