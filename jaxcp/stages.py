@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from jaxcp import xla
 from jaxcp.gate import Gate
+from jaxcp.vma import inside_shard_map
 
 BACKENDS = ("xla", "pallas", "interpret", "mosaic")
 
@@ -207,11 +208,6 @@ def _pallas_gdn_stages(opts: StageOptions) -> Stages:
                   **_pallas_state_stages(opts, precision))
 
 
-def _outside_shard_map() -> bool:
-    """No manual mesh axis is in scope (the call is not inside a shard_map body)."""
-    return not jax.sharding.get_abstract_mesh().manual_axes
-
-
 def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     """GDN's Pallas stages with the forward state recurrence fused with the output
     (state_output) and the backward's state pass again (state_fwd) as Mosaic GPU kernels
@@ -228,15 +224,17 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
                          f"products: use backend='pallas'")
     triton = _pallas_gdn_stages(opts)
 
+    def mosaic_runs(terms, layout, init, h0, with_output: bool) -> bool:
+        return not inside_shard_map() and mosaic_state.takes(terms, layout, init, h0,
+                                                             with_output=with_output)
+
     def state_output(terms, layout, init, h0, with_finals):
-        if _outside_shard_map() and mosaic_state.takes(terms, layout, init, h0,
-                                                       with_output=True):
+        if mosaic_runs(terms, layout, init, h0, with_output=True):
             return mosaic_state.state_output(terms, layout, init, h0, with_finals)
         return triton.state_output(terms, layout, init, h0, with_finals)
 
     def state_fwd(terms, layout, init, h0):
-        if _outside_shard_map() and mosaic_state.takes(terms, layout, init, h0,
-                                                       with_output=False):
+        if mosaic_runs(terms, layout, init, h0, with_output=False):
             return mosaic_state.state_fwd(terms, layout, init, h0)
         return triton.state_fwd(terms, layout, init, h0)
 

@@ -43,6 +43,11 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return vary_like(ct, primal)
 
 
+def inside_shard_map() -> bool:
+    """Whether a manual mesh axis is in scope (a shard_map body), with check_vma or without."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def unify(args: list) -> tuple[list, object]:
     """Cast all arrays in args to vary over the union of their varying axes, for a
     pallas_call inside shard_map(check_vma=True). Returns the cast args and the manual axis
@@ -50,7 +55,6 @@ def unify(args: list) -> tuple[list, object]:
     the inputs' own where none varies (a pallas_call there needs one, invariant or not)."""
     axes = frozenset().union(*(varying_axes(a) for a in args))
     if not axes:
-        inside = bool(jax.sharding.get_abstract_mesh().manual_axes)
-        return args, (jax.typeof(args[0]).manual_axis_type if inside else None)
+        return args, (jax.typeof(args[0]).manual_axis_type if inside_shard_map() else None)
     cast = [_vary_over(a, axes) for a in args]
     return cast, jax.typeof(cast[0]).manual_axis_type

@@ -10,7 +10,7 @@ import pytest
 from jax import export
 
 from benchmarks.check.mosaic import LIMIT_REFERENCE
-from jaxcp.layout import ChunkLayout
+from jaxcp.layout import ChunkLayout, from_chunks, to_chunks
 from jaxcp.metrics import rel_error
 from jaxcp.pallas.mosaic.common import state as mosaic_state
 from jaxcp.terms import ChunkTerms
@@ -18,9 +18,9 @@ from jaxcp.xla import output as xla_output, state as xla_state
 
 
 def chunk_problem(NT=3, HV=2, C=64, K=128, V=128, dtype=jnp.bfloat16):
-    """Terms of NT chunks in one batch row: sequence 0 enters chunk 0 from h0 and ends there, sequence 1 starts
-    at chunk 1 (from init[1]) and ends at the last chunk, and a third sequence ends on no
-    chunk here (its final state stays zero)."""
+    """Terms of NT chunks in one batch row: sequence 0 enters chunk 0 from h0 and ends there,
+    sequence 1 starts at chunk 1 (from init[1]) and ends at the last chunk, and a third
+    sequence ends on no chunk here (its final state stays zero)."""
     B = 1
     keys = jax.random.split(jax.random.key(0), 6)
     more_keys = jax.random.split(jax.random.key(1), 3)
@@ -101,7 +101,7 @@ def row_factored(terms: ChunkTerms) -> tuple[ChunkTerms, ChunkTerms]:
     rows = lambda key: jax.random.uniform(key, (NT, B, HV, C), minval=0.5, maxval=1.5)
     factored = terms._replace(qg=token(keys[0]), kd=token(keys[1]), q_rows=rows(keys[2]),
                               k_rows=rows(keys[3]))
-    chunks = lambda x: x.reshape(B, NT, C, HV, K).transpose(1, 0, 3, 2, 4).astype(jnp.float32)
+    chunks = lambda x: to_chunks(x, None, NT, C).astype(jnp.float32)
     plain = terms._replace(qg=factored.q_rows[..., None] * chunks(factored.qg),
                            kd=factored.k_rows[..., None] * chunks(factored.kd),
                            w=terms.w.astype(jnp.float32), attn=terms.attn.astype(jnp.float32))
@@ -134,7 +134,7 @@ def test_row_factored_terms_interpret_equal_their_reference():
     chex.assert_trees_all_close(o, want[0], rtol=one_step, atol=one_step)
     assert rel_error(finals, want[1]) < LIMIT_REFERENCE["finals"]
     o_exact, finals_exact = run(with_finals(xla_output.state_output), plain)
-    o_exact = o_exact.transpose(1, 0, 3, 2, 4).reshape(o.shape)
+    o_exact = from_chunks(o_exact, None, NT * C)
     assert rel_error(o, o_exact) < 1e-2 and rel_error(finals, finals_exact) < 1e-2
 
 

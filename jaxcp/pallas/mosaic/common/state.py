@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxcp.layout import ChunkLayout
+from jaxcp.layout import ChunkLayout, from_chunks, to_chunks
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import unify, vary_like
 
@@ -358,12 +358,6 @@ def state_output(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
     return o, jnp.where(layout.seq_ends_here[:, None, None, None], finals, 0.0)
 
 
-def _chunks_of_tokens(x: jax.Array, C: int) -> jax.Array:
-    """A token tensor [B, T, HV, d] of whole chunks as chunk layout [T / C, B, HV, C, d]."""
-    B, T, HV, d = x.shape
-    return x.reshape(B, T // C, C, HV, d).transpose(1, 0, 3, 2, 4)
-
-
 def _reference_scan(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
                     h0: jax.Array):
     """The recurrence in jnp with the kernel's operand roundings (the state, vn, and for
@@ -372,10 +366,10 @@ def _reference_scan(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | No
     dtype and the state after the chunk, float32."""
     operand = terms.w.dtype
     f32 = jnp.float32
-    C = terms.w.shape[-2]
+    NT, C = terms.w.shape[0], terms.w.shape[-2]
     rounded = lambda x: x.astype(operand).astype(f32)
     factored = terms.k_rows is not None
-    k = _chunks_of_tokens(terms.kd, C) if factored else terms.kd
+    k = to_chunks(terms.kd, None, NT, C) if factored else terms.kd
     k_rows = terms.k_rows if factored else jnp.ones(terms.w.shape[:-1], f32)
 
     def step(S, xs):
@@ -410,14 +404,14 @@ def state_output_reference(terms: ChunkTerms, layout: ChunkLayout, init: jax.Arr
     NT, B, HV, C, K = terms.w.shape
     _, (h, vn, after) = _reference_scan(terms, layout, init, h0)
     factored = terms.q_rows is not None
-    q = _chunks_of_tokens(terms.qg, C) if factored else terms.qg
+    q = to_chunks(terms.qg, None, NT, C) if factored else terms.qg
     o = jnp.einsum("nbhck,nbhkv->nbhcv", q.astype(f32), h.astype(f32))
     if factored:
         o = terms.q_rows[..., None] * o
     o = o + jnp.einsum("nbhcd,nbhdv->nbhcv", terms.attn.astype(f32), vn.astype(f32))
     o = o.astype(out_dtype or terms.w.dtype)
     if factored:
-        o = o.transpose(1, 0, 3, 2, 4).reshape(B, NT * C, HV, -1)
+        o = from_chunks(o, None, NT * C)
     if not with_finals:
         return o, None
     N = layout.seq_ends_here.shape[0]
