@@ -13,6 +13,11 @@ donated, so the kernel updates it in place; FLA: ``fused_recurrent_gated_delta_r
 --steps steps queued back to back and waited for once: the median over --rounds rounds, per
 step. jaxcp runs its fused kernel (backend "pallas") and the XLA recurrence ("xla").
 
+Before timing, each op's fused kernel is checked on the same device against the token
+recurrence (``check_kernel``: float32, B = 8, T = 2, a 12-row table read through
+``state_indices``, one of them -1); the run stops with exit code 1 where an error is over
+``LIMIT`` and the errors go into the op's jaxcp-pallas records.
+
 FLA runs in a child process of the same run on the same GPU, before JAX takes the device; it is
 skipped (with a note) when it cannot be imported.
 
@@ -34,6 +39,7 @@ from jaxcp.cli import OneLineParser
 BATCHES = (1, 8, 64, 256)
 H, D = 16, 128
 IMPLS = ("jaxcp-pallas", "jaxcp-xla", "fla")
+LIMIT = 1e-4               # float32, relative to the token recurrence
 
 
 def floor_us(B: int, device: str) -> float | None:
@@ -41,6 +47,31 @@ def floor_us(B: int, device: str) -> float | None:
     of the device's kind (None for a kind ``PEAKS`` does not know)."""
     rate = next((bw for name, (bw, _) in PEAKS.items() if name in device), None)
     return None if rate is None else 1e6 * 2 * B * H * D * D * 4 / rate
+
+
+def check_kernel(op: str, backend: str = "pallas") -> dict:
+    """Relative errors of o and the table from the fused kernel (backend) against the token
+    recurrence (backend "xla"), float32 (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import jaxcp
+    from jaxcp.metrics import rel_error
+
+    B, T, rows = 8, 2, 12
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    normal = lambda *s: jax.random.normal(next(keys), s, jnp.float32)
+    gate_shape = (B, T, H, D) if op == "kda" else (B, T, H)
+    q, k, v = normal(B, T, H, D), normal(B, T, H, D), normal(B, T, H, D)
+    g = jax.nn.log_sigmoid(normal(*gate_shape))
+    beta = jax.nn.sigmoid(normal(B, T, H))
+    table = normal(rows, H, D, D)
+    indices = jnp.array([3, 0, -1, 11, 5, 7, 1, 9], jnp.int32)
+    recurrent = jaxcp.recurrent_kda if op == "kda" else jaxcp.recurrent_gated_delta_rule
+    o, new, o_ref, new_ref = (
+        x for b in (backend, "xla")
+        for x in recurrent(q, k, v, g, beta, initial_state=table, state_indices=indices,
+                           use_qk_l2norm_in_kernel=True, backend=b))
+    return {"o": rel_error(o, o_ref), "table": rel_error(new, new_ref)}
 
 
 def time_jaxcp(op: str, B: int, backend: str, steps: int, rounds: int) -> float:
@@ -199,13 +230,21 @@ def main(argv=None) -> int:
     import jax
     device = jax.devices()[0].device_kind
     for op in ops:
+        errors = check_kernel(op) if "jaxcp-pallas" in impls else {}
+        if errors:
+            print(f"{op}: fused kernel against the token recurrence: " + ", ".join(
+                f"{name} {err:.1e}" for name, err in errors.items()), flush=True)
+        if any(err > LIMIT for err in errors.values()):
+            return 1
         for B in args.batches:
             for impl in ("jaxcp-pallas", "jaxcp-xla"):
                 if impl in impls:
                     us = time_jaxcp(op, B, impl.split("-")[1], args.steps, args.rounds)
                     records.append(dict(op=op, impl=impl, B=B, H=H, K=D, V=D, step_us=us,
                                         floor_us=floor_us(B, device), device=device,
-                                        version=f"jax {jax.__version__}"))
+                                        version=f"jax {jax.__version__}",
+                                        **({"errors": errors} if impl == "jaxcp-pallas"
+                                           else {})))
                     save()
                     print(json.dumps(records[-1]), flush=True)
     print(markdown(records))

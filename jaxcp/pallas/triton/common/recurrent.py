@@ -10,11 +10,13 @@ idx = state_indices[b] (zero where idx = -1):
 
 q, k [B, T, H, K] (value head hv reads q/k head hv // (HV / H); with normalize_qk each
 token's q and k are L2-normalised here, as ``l2norm.l2_normalize``); v [B, T, HV, V]; beta
-[B, T, HV]; o [B, T, HV, V] in v's dtype. One program per (b, hv, block of BV state
-columns) holds its [K, BV] slice of S in registers over the T tokens, then writes it to row
+[B, T, HV]; o [B, T, HV, V] in v's dtype. One program per (block of BV state columns, b, hv)
+holds its [K, BV] slice of S in registers over the T tokens, then writes it to row
 idx of the table, which the output aliases (rows no program writes keep their values;
 nothing is written for idx = -1). The refs are whole arrays,
-indexed with the program's b, hv, token and idx (``recurrent_kernel``).
+indexed with the program's b, hv, token and idx (``recurrent_kernel``). The column block is
+the grid's first (fastest) axis, so the programs that share a state's rows run side by side,
+and consecutive states follow in table order.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ _Refs = refs_type("_Refs", "q k v g beta idx table_in o table")
 def recurrent_kernel(*refs, names, scale: float, group: int, per_channel: bool, T: int,
                      block_cols: int, normalize_qk: bool):
     r = named(_Refs, names, refs)
-    b, hv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, row = pl.program_id(0), pl.program_id(1)
+    HV = r.v.shape[2]
+    b, hv = row // HV, row % HV
     h = hv // group
     cols = pl.ds(j * block_cols, block_cols)
     idx = r.idx[b]
@@ -85,7 +89,7 @@ def recurrent_step(q, k, v, g, beta, table, state_indices, *, scale: float,
         out.add("o", whole((B, T, HV, V)), struct((B, T, HV, V), v.dtype))
         out.add("table", whole(table.shape), struct(table.shape, jnp.float32))
 
-    result, _ = call(recurrent_kernel, (B, HV, V // bv), ins, outs, name="recurrent_step",
+    result, _ = call(recurrent_kernel, (V // bv, B * HV), ins, outs, name="recurrent_step",
                      params=blocks.params(interpret, K * bv * 4),
                      aliases={"table_in": "table"}, scale=scale, group=HV // H,
                      per_channel=g.ndim == 4, T=T, block_cols=bv, normalize_qk=normalize_qk)
