@@ -15,8 +15,7 @@ holds its [K, BV] slice of S in registers over the T tokens, then writes it to r
 idx of the table, which the output aliases (rows no program writes keep their values;
 nothing is written for idx = -1). The refs are whole arrays,
 indexed with the program's b, hv, token and idx (``recurrent_kernel``). The column block is
-the grid's first (fastest) axis, so the programs that share a state's rows run side by side,
-and consecutive states follow in table order.
+the grid's first (fastest) axis, so the programs that share a state's rows run side by side.
 """
 from __future__ import annotations
 
