@@ -44,16 +44,19 @@ def chunk_problem(NT=3, HV=2, C=64, K=128, V=128, dtype=jnp.bfloat16):
     return terms, layout, init, h0
 
 
-@pytest.mark.parametrize("with_init", [True, False])
-def test_state_fwd_interpret_equals_its_reference(with_init):
+@pytest.mark.parametrize("with_init, blocks", [(True, None), (False, None), (True, (32, 1))])
+def test_state_fwd_interpret_equals_its_reference(with_init, blocks):
     """h and v_new (in the operand dtype) equal the kernel's jnp reference (the recurrence
     with the same operand roundings) to one bf16 rounding step, and the last state is within
     ``LIMIT_REFERENCE`` of it (a vn element that the two float32 accumulation orders round
     to bf16 apart moves a column of it by about 2^-8 of that term); all three are within the
-    bf16 limit (relative error 1e-2) of ``xla.state.state_fwd`` in float32."""
+    bf16 limit (relative error 1e-2) of ``xla.state.state_fwd`` in float32. Also with one
+    ring slot and 32 state columns per program (what K = 256 takes)."""
     terms, layout, init, h0 = chunk_problem()
     init = init if with_init else None
-    out = jax.jit(lambda t, l, i, h: mosaic_state.state_fwd(t, l, i, h, interpret=True))(
+    blocks = blocks and mosaic_state.StateBlocks(*blocks)
+    out = jax.jit(lambda t, l, i, h: mosaic_state.state_fwd(t, l, i, h, blocks=blocks,
+                                                            interpret=True))(
         terms, layout, init, h0)
     want = mosaic_state.state_fwd_reference(terms, layout, init, h0)
     chex.assert_shape(out, [x.shape for x in want])
@@ -66,16 +69,19 @@ def test_state_fwd_interpret_equals_its_reference(with_init):
     assert all(rel_error(a, b) < 1e-2 for a, b in zip(out, exact))
 
 
-@pytest.mark.parametrize("with_init, with_finals", [(True, True), (False, False)])
-def test_state_output_interpret_equals_its_reference(with_init, with_finals):
+@pytest.mark.parametrize("with_init, with_finals, blocks",
+                         [(True, True, None), (False, False, None), (True, True, (32, 1))])
+def test_state_output_interpret_equals_its_reference(with_init, with_finals, blocks):
     """o (in the operand dtype) equals the reference's to one bf16 rounding step and the
     finals are within ``LIMIT_REFERENCE`` of it, zero for the sequence that ends elsewhere;
-    both within the bf16 limit of ``xla.output.state_output`` in float32."""
+    both within the bf16 limit of ``xla.output.state_output`` in float32. Also with one ring
+    slot and 32 state columns per program."""
     terms, layout, init, h0 = chunk_problem()
     init = init if with_init else None
     run = lambda f: jax.jit(lambda t, l, i, h: f(t, l, i, h, with_finals))(
         terms, layout, init, h0)
-    out = run(partial(mosaic_state.state_output, interpret=True))
+    blocks = blocks and mosaic_state.StateBlocks(*blocks)
+    out = run(partial(mosaic_state.state_output, blocks=blocks, interpret=True))
     want = run(mosaic_state.state_output_reference)
     chex.assert_trees_all_equal_shapes_and_dtypes(out, want)
     chex.assert_tree_all_finite(out)
@@ -138,17 +144,19 @@ def test_row_factored_terms_interpret_equal_their_reference():
     assert rel_error(o, o_exact) < 1e-2 and rel_error(finals, finals_exact) < 1e-2
 
 
-@pytest.mark.parametrize("V, block_cols, form, factored", [
-    (128, 64, "state_fwd", False), (64, 64, "state_fwd", False), (256, 64, "state_fwd", False),
-    (128, 64, "state_output", False), (128, 64, "state_fwd", True),
-    (128, 64, "state_output", True)])
-def test_state_kernels_lower_for_cuda(V, block_cols, form, factored):
+@pytest.mark.parametrize("K, V, blocks, form, factored", [
+    (128, 128, (64, 2), "state_fwd", False), (128, 64, (64, 2), "state_fwd", False),
+    (128, 256, (64, 2), "state_fwd", False), (128, 128, (64, 2), "state_output", False),
+    (128, 128, (64, 2), "state_fwd", True), (128, 128, (64, 2), "state_output", True),
+    (256, 256, None, "state_fwd", True), (256, 256, None, "state_output", True)])
+def test_state_kernels_lower_for_cuda(K, V, blocks, form, factored):
     """Both forms of the kernel, on plain and on row-factored terms with bf16 u, lower to a
-    Mosaic GPU custom call for CUDA, from this CPU machine."""
-    terms, layout, init, h0 = chunk_problem(V=V)
+    Mosaic GPU custom call for CUDA, from this CPU machine; at K = 256 with the blocks that
+    fit (one ring slot, 32 state columns)."""
+    terms, layout, init, h0 = chunk_problem(K=K, V=V)
     if factored:
         terms = row_factored(terms)[0]._replace(u=terms.u.astype(jnp.bfloat16))
-    blocks = mosaic_state.StateBlocks(block_cols=block_cols)
+    blocks = blocks and mosaic_state.StateBlocks(*blocks)
     run = (partial(mosaic_state.state_fwd, blocks=blocks) if form == "state_fwd" else
            lambda *a, **kw: mosaic_state.state_output(*a, True, blocks=blocks, **kw))
     fn = jax.jit(lambda t, l, i, h: run(t, l, i, h))
@@ -170,7 +178,7 @@ def test_state_fwd_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="K a multiple of 64"):
         short = chunk_problem(K=32)
         mosaic_state.state_fwd(*short)
-    with pytest.raises(ValueError, match="block_cols 128 at C = 64, K = 128 needs"):
+    with pytest.raises(ValueError, match="block_cols 128 with 2 slots at C = 64, K = 128 needs"):
         mosaic_state.state_fwd(*chunk_problem(V=256),
                                blocks=mosaic_state.StateBlocks(block_cols=128))
     with pytest.raises(ValueError, match="block_cols 128 must divide V = 64"):

@@ -15,8 +15,9 @@ chunks in order:
     finals[seq_c] = S  if ends_c                              (state_output, with_finals)
 
 The chunk's tiles (w, kd, u; and qg, attn for the output) arrive in shared memory by TMA,
-into a ring of two slots: chunk c + 1's copies are issued before chunk c's products, so they
-run while the products do. S_c and vn_c are written to shared memory in the operand dtype
+into a ring of two slots, chunk c + 1's copies issued before chunk c's products so that they
+run while the products do; where two slots do not fit (K = 256), into one slot, refilled
+once the chunk's products are done (``StateBlocks``, ``CANDIDATE_BLOCKS``). S_c and vn_c are written to shared memory in the operand dtype
 (bf16 or f16, as the Triton kernels' bf16 products) for the wgmma products, which accumulate
 in float32. The tiles that leave (h_c and vn_c from the operand tiles; o_c) go out by TMA,
 one chunk's stores in flight while the next chunk computes. The last state and the finals
@@ -35,7 +36,8 @@ with diag(k_rows) vn_c rounded to the operand dtype for its product; o leaves to
 Shapes: w, kd, qg [NT, B, HV, C, K] bf16 or f16 (one dtype, the operand dtype); attn
 [NT, B, HV, C, C] in it; u [NT, B, HV, C, V] (float32 or the operand dtype); decay
 [NT, B, HV, 1]; layout.chunk_starts, chunk_ends, chunk_seq [NT, B], seq_ends_here [N]; init
-[N, HV, K, V] or None; h0 [B, HV, K, V]. C, K and V are multiples of 64 (wgmma's tile).
+[N, HV, K, V] or None; h0 [B, HV, K, V]. C, K and V are multiples of 64 (wgmma's tile),
+BV of 32.
 """
 from __future__ import annotations
 
@@ -58,34 +60,50 @@ SMEM_BYTES = 227 * 1024         # shared memory a Hopper block may opt in to
 
 @dataclass(frozen=True)
 class StateBlocks:
-    """block_cols: state columns per program (BV), a multiple of 64 dividing V."""
+    """block_cols: state columns per program (BV), a multiple of 32 dividing V; slots: the
+    chunk tiles' ring in shared memory, 2 (chunk c + 1's copies run while chunk c computes)
+    or 1 (they are issued once chunk c's products are done)."""
     block_cols: int = 64
+    slots: int = 2
 
 
-def _operand_smem(shape: tuple[int, int], dtype) -> plgpu.SMEM:
-    """A wgmma operand tile in shared memory: 8-row tiles of 128 bytes, 128-byte swizzle."""
-    transforms = (plgpu.TilingTransform((8, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)),
-                  plgpu.SwizzleTransform(SWIZZLE_BYTES))
+# the configurations tried, fastest first, until one fits in shared memory (K = 256 needs
+# the last)
+CANDIDATE_BLOCKS = (StateBlocks(64, 2), StateBlocks(64, 1), StateBlocks(32, 1))
+
+
+def _swizzle(blocks: StateBlocks, dtype) -> int:
+    """The operand tiles' swizzle in bytes: 128, or the width of a row of BV operand columns
+    where that is less (32 bf16 columns: 64). A product's two operands share it."""
+    return min(SWIZZLE_BYTES, blocks.block_cols * jnp.dtype(dtype).itemsize)
+
+
+def _operand_smem(shape: tuple[int, ...], dtype, swizzle: int) -> plgpu.SMEM:
+    """A wgmma operand tile in shared memory: 8-row tiles of swizzle bytes, swizzled."""
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _smem_bytes(C: int, K: int, BV: int, u_bytes: int, out_bytes: int | None,
+def _smem_bytes(C: int, K: int, blocks: StateBlocks, u_bytes: int, out_bytes: int | None,
                 factored: bool) -> int:
-    """The kernel's shared memory: two ring slots of w, kd (and qg, attn with the output: 2
-    bytes each), u (u_bytes per element) and the row factors (factored: k's, and q's with
-    the output, float32), the operand tiles of S, vn (and factored, k_rows vn), o's tile
-    (out_bytes per element; None: no output), and the float32 tile of the last state and
-    the finals."""
+    """The kernel's shared memory: blocks.slots ring slots of w, kd (and qg, attn with the
+    output: 2 bytes each), u (u_bytes per element) and the row factors (factored: k's, and
+    q's with the output, float32), the operand tiles of S, vn (and factored, k_rows vn), o's
+    tile (out_bytes per element; None: no output), and the float32 tile of the last state
+    and the finals."""
+    BV = blocks.block_cols
     with_output = out_bytes is not None
     per_slot = ((2 * C * K + (C * K + C * C if with_output else 0)) * 2 + C * BV * u_bytes
                 + (C * 4 * (2 if with_output else 1) if factored else 0))
-    return (2 * per_slot + (K * BV + C * BV * (2 if factored else 1)) * 2
+    return (blocks.slots * per_slot + (K * BV + C * BV * (2 if factored else 1)) * 2
             + C * BV * (out_bytes or 0) + K * BV * 4)
 
 
 def _refusal(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
-             block_cols: int, with_output: bool, out_dtype) -> Exception | None:
-    """The error for what the kernel does not take, or None."""
+             blocks: StateBlocks, with_output: bool, out_dtype) -> Exception | None:
+    """The error for what the kernel does not take with these blocks, or None."""
+    block_cols = blocks.block_cols
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
     factored = terms.k_rows is not None
@@ -103,18 +121,23 @@ def _refusal(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0:
                           "multiple of C) is not supported")
     if factored and with_output and terms.q_rows is None:
         return ValueError("row-factored terms for the output need q_rows as well as k_rows")
-    for name, n in (("C", C), ("K", K), ("V", V), ("block_cols", block_cols)):
-        if n % 64:
-            return ValueError(f"the Mosaic state kernel needs {name} a multiple of 64, got {n}")
+    for name, n, multiple in (("C", C, 64), ("K", K, 64), ("V", V, 64),
+                              ("block_cols", block_cols, 32)):
+        if n % multiple:
+            return ValueError(f"the Mosaic state kernel needs {name} a multiple of "
+                              f"{multiple}, got {n}")
+    if blocks.slots not in (1, 2):
+        return ValueError(f"slots must be 1 or 2, got {blocks.slots}")
     if V % block_cols:
         return ValueError(f"block_cols {block_cols} must divide V = {V}")
     if with_output and jnp.dtype(out_dtype) not in OPERAND_DTYPES + (jnp.float32,):
         return TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    smem = _smem_bytes(C, K, block_cols, terms.u.dtype.itemsize,
+    smem = _smem_bytes(C, K, blocks, terms.u.dtype.itemsize,
                        jnp.dtype(out_dtype).itemsize if with_output else None, factored)
     if smem > SMEM_BYTES:
-        return ValueError(f"block_cols {block_cols} at C = {C}, K = {K} needs {smem} bytes of "
-                          f"shared memory, over {SMEM_BYTES}: take fewer columns")
+        return ValueError(f"block_cols {block_cols} with {blocks.slots} slots at C = {C}, "
+                          f"K = {K} needs {smem} bytes of shared memory, over {SMEM_BYTES}: "
+                          f"take fewer columns or slots")
     operands = {"w": terms.w, "kd": terms.kd}
     if with_output:
         operands.update(qg=terms.qg, attn=terms.attn)
@@ -145,24 +168,37 @@ def _check(*args) -> None:
         raise error
 
 
+def _fitting_blocks(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                    h0: jax.Array, with_output: bool, out_dtype) -> StateBlocks:
+    """The first of ``CANDIDATE_BLOCKS`` the kernel takes, else the first (whose refusal
+    names the reason)."""
+    return next((b for b in CANDIDATE_BLOCKS
+                 if _refusal(terms, layout, init, h0, b, with_output, out_dtype) is None),
+                CANDIDATE_BLOCKS[0])
+
+
 def takes(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
-          with_output: bool, out_dtype=None, blocks: StateBlocks = StateBlocks()) -> bool:
+          with_output: bool, out_dtype=None, blocks: StateBlocks | None = None) -> bool:
     """Whether the kernel runs on these terms and this layout (``state_output`` with_output,
-    else ``state_fwd``); where it does not, the call raises the reason."""
-    return _refusal(terms, layout, init, h0, blocks.block_cols, with_output,
-                    jnp.dtype(out_dtype or terms.w.dtype)) is None
+    else ``state_fwd``) with blocks (None: the first of ``CANDIDATE_BLOCKS`` that fits);
+    where it does not, the call raises the reason."""
+    out_dtype = jnp.dtype(out_dtype or terms.w.dtype)
+    blocks = blocks or _fitting_blocks(terms, layout, init, h0, with_output, out_dtype)
+    return _refusal(terms, layout, init, h0, blocks, with_output, out_dtype) is None
 
 
 def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
-         with_output: bool, with_finals: bool, out_dtype, blocks: StateBlocks,
+         with_output: bool, with_finals: bool, out_dtype, blocks: StateBlocks | None,
          interpret: bool):
     """The kernel (module docstring) with_output: o and, with_finals, the finals; otherwise h
     and v_new. Returns its outputs: (h, v_new, last) or (o, finals, last), finals [N, HV,
     K, V] with the rows of sequences that end on no chunk here unwritten."""
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
-    BV = blocks.block_cols
-    _check(terms, layout, init, h0, BV, with_output, out_dtype)
+    blocks = blocks or _fitting_blocks(terms, layout, init, h0, with_output,
+                                       out_dtype or terms.w.dtype)
+    BV, slots = blocks.block_cols, blocks.slots
+    _check(terms, layout, init, h0, blocks, with_output, out_dtype)
     operand = terms.w.dtype
     f32 = jnp.float32
     has_init = init is not None
@@ -248,12 +284,15 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
                 return out1_g.at[b, pl.ds(c * C, C), hv, cols]
             return out1_g.at[c, b, hv, :, cols]
 
-        def chunk(c, S):
-            slot = lax.rem(c, 2)
-
+        def fetch_next(c, slot):
             @pl.when(c + 1 < NT)
             def _():
-                fetch(c + 1, 1 - slot)
+                fetch(c + 1, slot)
+
+        def chunk(c, S):
+            slot = lax.rem(c, slots)
+            if slots == 2:
+                fetch_next(c, 1 - slot)
 
             S = entering(c, S)
             to_smem(s_s, S, None if with_output else out1_g.at[c, b, hv, :, cols])
@@ -274,6 +313,9 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
                 update = products([(kd_s.at[slot].T, vnk_s)], (K, BV))
             else:
                 update = products([(kd_s.at[slot].T, vn_s)], (K, BV))
+            if slots == 1:
+                # the chunk's products and loads have read the slot
+                fetch_next(c, slot)
             S = plgpu.load(decay_g.at[c, b, hv]) * S + update
             if with_finals:
                 @pl.when(plgpu.load(ends_g.at[c, b]) != 0)
@@ -310,23 +352,25 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
     else:
         out_type = (struct((NT, B, HV, K, V), operand), struct((NT, B, HV, C, V), operand))
     # tiles a form does not use get a stand-in of one swizzle tile (or 64 floats)
-    tile_if = lambda used, shape, dtype=operand: _operand_smem(
-        shape if used else shape[:-2] + (8, 64), dtype)
-    rows_if = lambda used: plgpu.SMEM((2, C if used else 64), f32)
+    swizzle = _swizzle(blocks, operand)
+    smem = lambda shape, dtype=operand: _operand_smem(shape, dtype, swizzle)
+    tile_if = lambda used, shape, dtype=operand: smem(shape if used else shape[:-2] + (8, 64),
+                                                      dtype)
+    rows_if = lambda used: plgpu.SMEM((slots, C if used else 64), f32)
     # the kernel's name in profiles and in the compiled module: one per form
     kernel.__name__ = "mosaic_gdn_" + ("state_output" if with_output else "state_fwd")
     call = plgpu.kernel(
         kernel,
         out_type=out_type + (struct((B, HV, K, V), f32),),
-        scratch_types=[_operand_smem((2, C, K), operand), _operand_smem((2, C, K), operand),
-                       tile_if(with_output, (2, C, K)), tile_if(with_output, (2, C, C)),
-                       plgpu.SMEM((2, C, BV), terms.u.dtype),
+        scratch_types=[smem((slots, C, K)), smem((slots, C, K)),
+                       tile_if(with_output, (slots, C, K)), tile_if(with_output, (slots, C, C)),
+                       plgpu.SMEM((slots, C, BV), terms.u.dtype),
                        rows_if(factored), rows_if(factored and with_output),
-                       _operand_smem((K, BV), operand), _operand_smem((C, BV), operand),
+                       smem((K, BV)), smem((C, BV)),
                        tile_if(factored, (C, BV)),
                        tile_if(with_output, (C, BV), out_dtype or operand),
                        plgpu.SMEM((K, BV), f32),
-                       plgpu.Barrier(num_arrivals=slot_copies, num_barriers=2)],
+                       plgpu.Barrier(num_arrivals=slot_copies, num_barriers=slots)],
         grid=(B, HV, V // BV), grid_names=("b", "hv", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     # some versions of plgpu.kernel type the outputs as varying over no manual axis of an
@@ -335,7 +379,7 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
 
 
 def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array,
-              *, blocks: StateBlocks = StateBlocks(), interpret: bool = False):
+              *, blocks: StateBlocks | None = None, interpret: bool = False):
     """h [NT, B, HV, K, V] (the state entering each chunk) and v_new [NT, B, HV, C, V] in the
     operand dtype, and the state after the last chunk [B, HV, K, V] float32 (module
     docstring). interpret: run in Mosaic GPU's interpret mode (any device)."""
@@ -345,7 +389,7 @@ def state_fwd(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0
 
 def state_output(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
                  h0: jax.Array, with_finals: bool, *, out_dtype=None,
-                 blocks: StateBlocks = StateBlocks(), interpret: bool = False):
+                 blocks: StateBlocks | None = None, interpret: bool = False):
     """(o [NT, B, HV, C, V] in out_dtype (the operand dtype if None); the final states
     [N, HV, K, V] float32 of the sequences that end here, zero for the others, or None
     without with_finals) (module docstring)."""
