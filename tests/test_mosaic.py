@@ -157,6 +157,8 @@ def test_state_kernels_lower_for_cuda(K, V, blocks, form, factored):
     if factored:
         terms = row_factored(terms)[0]._replace(u=terms.u.astype(jnp.bfloat16))
     blocks = blocks and mosaic_state.StateBlocks(*blocks)
+    assert mosaic_state.takes(terms, layout, init, h0, with_output=form == "state_output",
+                              blocks=blocks)
     run = (partial(mosaic_state.state_fwd, blocks=blocks) if form == "state_fwd" else
            lambda *a, **kw: mosaic_state.state_output(*a, True, blocks=blocks, **kw))
     fn = jax.jit(lambda t, l, i, h: run(t, l, i, h))

@@ -17,11 +17,11 @@ chunks in order:
 The chunk's tiles (w, kd, u; and qg, attn for the output) arrive in shared memory by TMA,
 into a ring of two slots, chunk c + 1's copies issued before chunk c's products so that they
 run while the products do; where two slots do not fit (K = 256), into one slot, refilled
-once the chunk's products are done (``StateBlocks``, ``CANDIDATE_BLOCKS``). S_c and vn_c are written to shared memory in the operand dtype
-(bf16 or f16, as the Triton kernels' bf16 products) for the wgmma products, which accumulate
-in float32. The tiles that leave (h_c and vn_c from the operand tiles; o_c) go out by TMA,
-one chunk's stores in flight while the next chunk computes. The last state and the finals
-leave in float32.
+once the chunk's products are done (``StateBlocks``, ``CANDIDATE_BLOCKS``). S_c and vn_c
+are written to shared memory in the operand dtype (bf16 or f16, as the Triton kernels' bf16
+products) for the wgmma products, which accumulate in float32. The tiles that leave (h_c
+and vn_c from the operand tiles; o_c) go out by TMA, one chunk's stores in flight while the
+next chunk computes. The last state and the finals leave in float32.
 
 Row-factored terms (``ChunkTerms``, the Pallas GDN intra kernel's: qg = diag(q_rows) q,
 kd = diag(k_rows) k, with q and k the token tensors [B, T, HV, K]) are read as they are: the
@@ -183,8 +183,8 @@ def takes(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: ja
     else ``state_fwd``) with blocks (None: the first of ``CANDIDATE_BLOCKS`` that fits);
     where it does not, the call raises the reason."""
     out_dtype = jnp.dtype(out_dtype or terms.w.dtype)
-    blocks = blocks or _fitting_blocks(terms, layout, init, h0, with_output, out_dtype)
-    return _refusal(terms, layout, init, h0, blocks, with_output, out_dtype) is None
+    return any(_refusal(terms, layout, init, h0, b, with_output, out_dtype) is None
+               for b in ((blocks,) if blocks else CANDIDATE_BLOCKS))
 
 
 def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
