@@ -75,14 +75,17 @@ def test_state_fwd(kind, with_init):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("with_init", [True, False])
-def test_state_output(kind, with_init):
-    # the last device of two: sequence 0 ends on the device before, its final state is zero
+@pytest.mark.parametrize("with_init, blocks", [(True, None), (False, None),
+                                               (True, StateBlocks(block_cols=16))])
+def test_state_output(kind, with_init, blocks):
+    """The last device of two: sequence 0 ends on the device before, its final state is
+    zero. blocks: the 32 state columns in two programs of 16."""
     terms, layout, init = chunk_terms(kind, [0, 50, 72, 90, 140], 70, with_init=with_init,
                                       device=1, world=2)
     h0 = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, 16, 32)), jnp.float32)
     want = xla.state_output(terms, layout, init, h0, True)
-    got = pstate.state_output(terms, layout, init, h0, True, gate=GATES[kind], interpret=True)
+    got = pstate.state_output(terms, layout, init, h0, True, gate=GATES[kind], interpret=True,
+                              blocks=blocks)
     assert float(jnp.abs(want[1][0]).max()) == 0.0
     for name, a, b in zip(("o", "finals"), got, want):
         assert_rel(a, b, 1e-5, name)
@@ -683,6 +686,15 @@ def test_kda_state_blocks_keep_the_grid_full():
     assert StateBlocks.kda("state_fwd", 256, 256, 16) == StateBlocks(block_cols=16)
     assert StateBlocks.kda("state_fwd", 128, 128, 64) == StateBlocks(block_cols=32)
     assert StateBlocks.kda("state_output", 128, 128, 64) == StateBlocks(block_cols=32)
+
+
+def test_gdn_state_blocks_keep_two_programs_per_sm_at_k256():
+    """GDN's state_output takes 16 state columns at K = 256 where 32 would launch at most
+    FULL_GRID programs; every other kernel and shape takes the default."""
+    assert StateBlocks.gdn("state_output", 256, 256, 16) == StateBlocks(block_cols=16)
+    assert StateBlocks.gdn("state_output", 256, 256, 64) == StateBlocks.default(256)
+    assert StateBlocks.gdn("state_bwd", 256, 256, 16) == StateBlocks.default(256)
+    assert StateBlocks.gdn("state_output", 128, 128, 16) == StateBlocks.default(128)
 
 
 def test_bf16x3_products_keep_16_bits():

@@ -132,9 +132,13 @@ def main(argv=None):
         timed(f"variant: chunk_grads {how}", lambda *xs: gdn_grads.chunk_grads(
             *xs[:5], scale, layout, C, *xs[5:], **other),
             *flipped, terms, h, vn, x, dvn, do)
+        backward = lambda t, d, blocks: pstate.state_bwd(t, layout, d, None, h0,
+                                                         blocks=blocks, **kw)
         for bv in (32, 16):
             timed(f"variant: state_output BV={bv}",
                   partial(output, blocks=StateBlocks(block_cols=bv)), terms)
+            timed(f"variant: state_bwd BV={bv}",
+                  partial(backward, blocks=StateBlocks(block_cols=bv)), terms, do)
         for warps, stages in ((8, 3), (4, 2)) if not args.interpret else ():
             chunk_blocks = ChunkBlocks(num_warps=warps, num_stages=stages)
             state_blocks = StateBlocks(num_warps=warps, max_stages=stages)
@@ -142,6 +146,9 @@ def main(argv=None):
                   partial(intra, blocks=chunk_blocks), *token_args)
             timed(f"variant: state_output {warps} warps, {stages} stages",
                   partial(output, blocks=state_blocks), terms)
+            timed(f"variant: state_bwd {warps} warps, {stages} stages",
+                  partial(backward, blocks=StateBlocks(StateBlocks.default(D).block_cols,
+                                                       warps, stages)), terms, do)
             timed(f"variant: chunk_grads {warps} warps, {stages} stages",
                   partial(grads, blocks=chunk_blocks), *token_args, terms, h, vn, x, dvn, do)
 

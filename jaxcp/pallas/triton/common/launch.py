@@ -50,6 +50,17 @@ class StateBlocks:
         return cls(block_cols=32 if K >= 256 else 64)
 
     @classmethod
+    def gdn(cls, kernel: str, K: int, V: int, heads: int) -> "StateBlocks":
+        """GDN's state recurrences: the default, but state_output at K = 256 takes 16
+        columns where 32 give at most FULL_GRID programs (heads: B HV, the programs per
+        block of columns), so that two programs per SM hide the chunk loop's latency
+        (state_bwd is slower at 16). The measurements: docs/benchmarks/kernels.md."""
+        blocks = cls.default(K)
+        if kernel == "state_output" and K > 128 and heads * (V // blocks.cols(V)) <= FULL_GRID:
+            return cls(block_cols=16)
+        return blocks
+
+    @classmethod
     def kda(cls, kernel: str, K: int, V: int, heads: int) -> "StateBlocks":
         """KDA's state recurrences (float32 state, TF32 products for bf16 inputs, float16
         w, qg, kd, attn): per kernel (``common.state``'s kernel names), K, V and heads (B HV,

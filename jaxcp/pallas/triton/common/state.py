@@ -172,16 +172,16 @@ def _start(terms: ChunkTerms, layout: ChunkLayout, cols: int, gate: Gate, token_
            tokens: int | None = None) -> _Call:
     """The _Call of kernel `kernel` over `cols` state columns (token_major: o or do, and
     the bare q, k of row-factored terms, are [B, T, HV, ...]; T is the bare q's length, or
-    tokens for plain terms). blocks None: ``StateBlocks.kda`` of the kernel for the
-    per-channel gate, ``StateBlocks.default`` for the scalar one."""
+    tokens for plain terms). blocks None: ``StateBlocks.kda`` or ``StateBlocks.gdn`` of
+    the kernel."""
     NT, B, HV, C, K = terms.w.shape
     if terms.decay.shape[-1] != gate.width(K):
         raise ValueError(f"terms: decay [..., {terms.decay.shape[-1]}] does not match the "
                          f"{gate.value} gate (width {gate.width(K)})")
     factored = terms.k_rows is not None
     if blocks is None:
-        blocks = (StateBlocks.kda(kernel, K, cols, B * HV) if gate is Gate.CHANNEL
-                  else StateBlocks.default(K, precision.dot_dtype))
+        choose = StateBlocks.kda if gate is Gate.CHANNEL else StateBlocks.gdn
+        blocks = choose(kernel, K, cols, B * HV)
     BV = blocks.cols(cols)
     T = None
     if token_major:
