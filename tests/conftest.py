@@ -1,9 +1,9 @@
 """Tests run on the CPU with 8 fake devices (set before JAX initialises its backends).
 
 Compilation, not execution, is most of the suite's time. So XLA compiles for the CPU at
-backend optimisation level 1 (the default, 2, compiles about a third slower; level 0 is a
-fifth faster still but moves float32 results enough to take KDA's dA_log, a sum that
-cancels, past 1e-4 in test_gate_in_kernel), and the
+backend optimisation level 0 (the suite takes about 30 % longer at level 1 and a third
+more again at the default, 2; the float32 results the tests check stay inside their
+bounds at every level), and the
 pytest process, its xdist workers and the train.py runs the tests start share one
 persistent compilation cache for the run, every program in it however quick its compile:
 a program that several tests (or processes) compile is compiled once."""
@@ -15,7 +15,7 @@ import tempfile
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8"
-                           + " --xla_backend_optimization_level=1").strip()
+                           + " --xla_backend_optimization_level=0").strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcp-tests-jit-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)

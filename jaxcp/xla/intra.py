@@ -45,9 +45,11 @@ def _column(G, G_j, mask_j):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _channel_gated_inner(x, y, G, inclusive):
+def _channel_gated_inner(x, y, g, inclusive):
     """Per-channel gate, one column j at a time so that no [C, C, D] tensor exists, in the
-    forward or the backward: P[:, j] = sum_d x_d y_jd exp(G_d - G_jd), masked."""
+    forward or the backward: P[:, j] = sum_d x_d y_jd exp(G_d - G_jd), masked, with G the
+    chunk cumsum of the decay g."""
+    G = chunk_local_cumsum(g)
     mask = _causal_mask(x.shape[-2], inclusive)
 
     def column(j, out):
@@ -59,46 +61,56 @@ def _channel_gated_inner(x, y, G, inclusive):
     return lax.fori_loop(0, x.shape[-2], column, vary_like(out, x))
 
 
-def _channel_gated_inner_fwd(x, y, G, inclusive):
-    return _channel_gated_inner(x, y, G, inclusive), (x, y, G)
+def _channel_gated_inner_fwd(x, y, g, inclusive):
+    return _channel_gated_inner(x, y, g, inclusive), (x, y, g)
 
 
 def _channel_gated_inner_bwd(inclusive, res, ct):
-    x, y, G = res
-    mask = _causal_mask(x.shape[-2], inclusive)
+    """The term t_ij of pair (i, j) enters G_i and leaves G_j, so through the cumsum it
+    reaches dg_s for j < s <= i only. dg sums those spans directly: the pairs that lie past
+    s on both ends never enter dg_s, where a dG per row followed by the cumsum's transpose
+    would add and cancel them (with G near -160 under a gate bound, their rounding is
+    most of dg's error; docs/precision.md)."""
+    x, y, g = res
+    G = chunk_local_cumsum(g)
+    C = x.shape[-2]
+    mask = _causal_mask(C, inclusive)
+    rows = jnp.arange(C)[:, None]
 
     def column(j, grads):
-        dx, dy, dG = grads
+        dx, dy, dg = grads
         y_j, ct_j = y[..., j, :], ct[..., :, j]
         e = _column(G, G[..., j, :], mask[:, j])
         ce = ct_j[..., None] * e                                  # [..., C, D]
         dx = dx + ce * y_j[..., None, :]
         dy = dy.at[..., j, :].set(jnp.sum(ce * x, axis=-2))
         t = ce * x * y_j[..., None, :]
-        dG = (dG + t).at[..., j, :].add(-jnp.sum(t, axis=-2))
-        return dx, dy, dG
+        from_s = jnp.flip(jnp.cumsum(jnp.flip(t, -2), axis=-2), -2)   # sum over i >= s
+        dg = dg + jnp.where(rows > j, from_s, 0.0)
+        return dx, dy, dg
 
-    zeros = (jnp.zeros_like(x), jnp.zeros_like(y), jnp.zeros_like(G))
-    return lax.fori_loop(0, x.shape[-2], column, vary_like(zeros, ct))
+    zeros = (jnp.zeros_like(x), jnp.zeros_like(y), jnp.zeros_like(g))
+    return lax.fori_loop(0, C, column, vary_like(zeros, ct))
 
 
 _channel_gated_inner.defvjp(_channel_gated_inner_fwd, _channel_gated_inner_bwd)
 
 
-def gated_inner(x: jax.Array, y: jax.Array, G: jax.Array, *, inclusive: bool,
+def gated_inner(x: jax.Array, y: jax.Array, g: jax.Array, *, inclusive: bool,
                 gate: Gate) -> jax.Array:
-    """P_ij = sum_d x_id y_jd exp(G_id - G_jd) for j < i (j <= i if inclusive), else 0.
+    """P_ij = sum_d x_id y_jd exp(G_id - G_jd) for j < i (j <= i if inclusive), else 0,
+    with G the chunk cumsum of the decay g.
 
-    x, y [..., C, D]; G [..., C, Kg] with Kg = gate.width(D). Only differences G_i - G_j
+    x, y [..., C, D]; g [..., C, Kg] with Kg = gate.width(D). Only differences G_i - G_j
     with j before i are exponentiated, so decays (g <= 0) never overflow. Scalar gate:
     (x y^T) * exp(G_i - G_j). Per-channel gate: column by column.
     """
     if gate is Gate.SCALAR:
-        Gs = G[..., 0]
+        Gs = chunk_local_cumsum(g)[..., 0]
         mask = _causal_mask(x.shape[-2], inclusive)
         decay = jnp.exp(jnp.where(mask, Gs[..., :, None] - Gs[..., None, :], -jnp.inf))
         return einsum("...id,...jd->...ij", x, y) * decay
-    return _channel_gated_inner(x, y, G, inclusive)
+    return _channel_gated_inner(x, y, g, inclusive)
 
 
 def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -108,7 +120,7 @@ def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     with_inverse also (I + A)^-1. g [..., C, gate.width(K)]."""
     G = chunk_local_cumsum(g)
     C = k.shape[-2]
-    A = beta[..., :, None] * gated_inner(k, k, G, inclusive=False, gate=gate)
+    A = beta[..., :, None] * gated_inner(k, k, g, inclusive=False, gate=gate)
     L = A + jnp.eye(C, dtype=A.dtype)
     solve = partial(solve_triangular, lower=True, unit_diagonal=True)
     w = solve(L, k * jnp.exp(G) * beta[..., None])
@@ -121,6 +133,6 @@ def intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         qg=q * jnp.exp(G) * scale,
         kd=k * jnp.exp(G_last - G),
         decay=jnp.exp(G_last[..., 0, :]),
-        attn=gated_inner(q, k, G, inclusive=True, gate=gate) * scale,
+        attn=gated_inner(q, k, g, inclusive=True, gate=gate) * scale,
         inv=inv,
     )
