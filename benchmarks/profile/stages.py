@@ -369,11 +369,12 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
 
     def state_variants(how, stage_terms, stages, **options):
         """Rows "<stage> <how>" of the named state recurrences with options over kw."""
-        o = dict(kw, **options)
-        runs = {"state_output": lambda t: pstate.state_output(t, layout, None, h0, False,
-                                                              tokens=do.shape[1], **o)[0],
-                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **o),
-                "state_bwd": lambda t, d: pstate.state_bwd(t, layout, d, None, h0, **o)}
+        kernel_kw = dict(kw, **options)
+        runs = {"state_output": lambda t: pstate.state_output(
+                    t, layout, None, h0, False, tokens=do.shape[1], **kernel_kw)[0],
+                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **kernel_kw),
+                "state_bwd": lambda t, d: pstate.state_bwd(t, layout, d, None, h0,
+                                                           **kernel_kw)}
         for stage in stages:
             args = (stage_terms, do) if stage == "state_bwd" else (stage_terms,)
             variant(f"{stage} {how}", runs[stage], *args)
