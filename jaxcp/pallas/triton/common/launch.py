@@ -45,7 +45,7 @@ class StateBlocks:
     tile_budget: int = 192 * 1024
 
     @classmethod
-    def default(cls, K: int, dtype=None, device: str | None = None) -> "StateBlocks":
+    def default(cls, K: int) -> "StateBlocks":
         """64 state columns per program, 32 at K = 256 (to stay inside shared memory)."""
         return cls(block_cols=32 if K >= 256 else 64)
 
@@ -105,7 +105,7 @@ class ChunkBlocks:
     sub_chunks_first: bool = False
 
     @classmethod
-    def default(cls, K: int, dtype=None, device: str | None = None) -> "ChunkBlocks":
+    def default(cls, K: int) -> "ChunkBlocks":
         """Blocks of 64 columns (at K = 256 whole tiles would not fit in registers)."""
         return cls()
 

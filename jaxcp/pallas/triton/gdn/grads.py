@@ -177,7 +177,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    blocks = blocks or ChunkBlocks.default(K, k.dtype)
+    blocks = blocks or ChunkBlocks.default(K)
     sp = chunk_specs(C, T)
     state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
     g_shape = g.shape

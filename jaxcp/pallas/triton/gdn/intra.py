@@ -140,7 +140,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    blocks = blocks or ChunkBlocks.default(K, q.dtype)
+    blocks = blocks or ChunkBlocks.default(K)
     sp = chunk_specs(C, T)
     ins = _token_inputs(sp, layout, (("q", q, K), ("k", k, K), ("v", v, V),
                                      ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
@@ -188,7 +188,7 @@ def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: 
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    blocks = blocks or ChunkBlocks.default(K, k.dtype)
+    blocks = blocks or ChunkBlocks.default(K)
     sp = chunk_specs(C, T)
     ins = _token_inputs(sp, layout, (("k", k, K), ("v", v, V),
                                      ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
