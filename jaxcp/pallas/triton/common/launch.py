@@ -10,11 +10,11 @@ Two families of kernels, two configurations:
   sub-chunk of 16 rows, walking K and V in blocks of columns so that no [C, K] or [C, V]
   tile stays live across the kernel.
 
-``default(K, dtype, device)`` gives what the kernels ship with (KDA's cotangent kernels:
-``ChunkBlocks.kda_grads``; its forward gated sums: ``ChunkBlocks.sub_chunk``; its
-inverse and tiles: ``ChunkBlocks.wy_terms``; its state recurrences:
-``StateBlocks.kda``); ``device`` (``jax.Device.device_kind``) is where a per-device choice
-goes. The measurements behind them: docs/benchmarks/kernels.md and kernels_kda.md.
+``default(K)`` gives what the kernels ship with (GDN's state recurrences:
+``StateBlocks.gdn``; KDA's cotangent kernels: ``ChunkBlocks.kda_grads``; its forward
+gated sums: ``ChunkBlocks.sub_chunk``; its inverse and tiles: ``ChunkBlocks.wy_terms``;
+its state recurrences: ``StateBlocks.kda``). The measurements behind them:
+docs/benchmarks/kernels.md and kernels_kda.md.
 """
 from __future__ import annotations
 
