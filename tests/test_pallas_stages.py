@@ -384,7 +384,7 @@ def test_kda_gate_bound(gates):
     """With every gate in [-5, 0) and gate_bound = -5 (the diagonal sub-chunk blocks as
     products through a shifted reference): the terms equal the XLA twin's, and the
     cotangents are no further from the float64 ones than the twin's, also with every gate
-    at the bound (factors up to e^37.5). dg within 1.05x of the twin's: the twin sums each
+    at the bound (factors up to e^37.5). dg within 1.04x of the twin's: the twin sums each
     token's dg over the spans that hold it, the kernels sum per-row dG, which cancels
     (uniform gates: 3.9e-6 against the twin's 3.8e-6; docs/precision.md)."""
     args, terms, rest = kda_grads_inputs(64, 32, 16, "random")
@@ -401,7 +401,7 @@ def test_kda_gate_bound(gates):
     for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), grads_got, grads_want,
                                exact):
         assert bool(jnp.all(jnp.isfinite(a))), name
-        factor = 1.05 if name == "dg" else 1.01
+        factor = 1.04 if name == "dg" else 1.01
         assert rel_err(a, ref) <= max(factor * rel_err(b, ref), 1e-6), name
 
 
