@@ -3,7 +3,7 @@
 Compilation, not execution, is most of the suite's time. So XLA compiles for the CPU at
 backend optimisation level 0 (the suite takes about 30 % longer at level 1 and a third
 more again at the default, 2; the float32 results the tests check stay inside their
-bounds at every level), and the
+bounds at levels 0 and 1), and the
 pytest process, its xdist workers and the train.py runs the tests start share one
 persistent compilation cache for the run, every program in it however quick its compile:
 a program that several tests (or processes) compile is compiled once."""
