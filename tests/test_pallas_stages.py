@@ -87,8 +87,8 @@ def test_state_output(kind, with_init, blocks):
     got = pstate.state_output(terms, layout, init, h0, True, gate=GATES[kind], interpret=True,
                               blocks=blocks)
     assert float(jnp.abs(want[1][0]).max()) == 0.0
-    for name, a, b in zip(("o", "finals"), got, want):
-        assert_rel(a, b, 1e-5, name)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
     assert pstate.state_output(terms, layout, init, h0, False, gate=GATES[kind],
                                 interpret=True)[1] is None
 
