@@ -44,12 +44,8 @@ def _column(G, G_j, mask_j):
     return jnp.exp(jnp.where(mask_j[:, None], G - G_j[..., None, :], -jnp.inf))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _channel_gated_inner(x, y, g, inclusive):
-    """Per-channel gate, one column j at a time so that no [C, C, D] tensor exists, in the
-    forward or the backward: P[:, j] = sum_d x_d y_jd exp(G_d - G_jd), masked, with G the
-    chunk cumsum of the decay g."""
-    G = chunk_local_cumsum(g)
+def _gated_columns(x, y, G, inclusive):
+    """P[:, j] = sum_d x_d y_jd exp(G_d - G_jd), masked, one column j at a time."""
     mask = _causal_mask(x.shape[-2], inclusive)
 
     def column(j, out):
@@ -61,8 +57,16 @@ def _channel_gated_inner(x, y, g, inclusive):
     return lax.fori_loop(0, x.shape[-2], column, vary_like(out, x))
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _channel_gated_inner(x, y, g, inclusive):
+    """Per-channel gate, one column j at a time so that no [C, C, D] tensor exists, in the
+    forward or the backward, with G the chunk cumsum of the decay g."""
+    return _gated_columns(x, y, chunk_local_cumsum(g), inclusive)
+
+
 def _channel_gated_inner_fwd(x, y, g, inclusive):
-    return _channel_gated_inner(x, y, g, inclusive), (x, y, g)
+    G = chunk_local_cumsum(g)
+    return _gated_columns(x, y, G, inclusive), (x, y, G)
 
 
 def _channel_gated_inner_bwd(inclusive, res, ct):
@@ -71,8 +75,7 @@ def _channel_gated_inner_bwd(inclusive, res, ct):
     s on both ends never enter dg_s, where a dG per row followed by the cumsum's transpose
     would add and cancel them (with G near -160 under a gate bound, their rounding is
     most of dg's error; docs/precision.md)."""
-    x, y, g = res
-    G = chunk_local_cumsum(g)
+    x, y, G = res
     C = x.shape[-2]
     mask = _causal_mask(C, inclusive)
     rows = jnp.arange(C)[:, None]
@@ -89,7 +92,7 @@ def _channel_gated_inner_bwd(inclusive, res, ct):
         dg = dg + jnp.where(rows > j, from_s, 0.0)
         return dx, dy, dg
 
-    zeros = (jnp.zeros_like(x), jnp.zeros_like(y), jnp.zeros_like(g))
+    zeros = (jnp.zeros_like(x), jnp.zeros_like(y), jnp.zeros_like(G))
     return lax.fori_loop(0, C, column, vary_like(zeros, ct))
 
 
