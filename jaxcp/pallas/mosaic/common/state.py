@@ -168,13 +168,11 @@ def _check(*args) -> None:
         raise error
 
 
-def _fitting_blocks(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
-                    h0: jax.Array, with_output: bool, out_dtype) -> StateBlocks:
-    """The first of ``CANDIDATE_BLOCKS`` the kernel takes, else the first (whose refusal
-    names the reason)."""
+def _first_fitting(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None,
+                   h0: jax.Array, with_output: bool, out_dtype) -> StateBlocks | None:
+    """The first of ``CANDIDATE_BLOCKS`` the kernel takes, or None."""
     return next((b for b in CANDIDATE_BLOCKS
-                 if _refusal(terms, layout, init, h0, b, with_output, out_dtype) is None),
-                CANDIDATE_BLOCKS[0])
+                 if _refusal(terms, layout, init, h0, b, with_output, out_dtype) is None), None)
 
 
 def takes(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
@@ -183,8 +181,9 @@ def takes(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: ja
     else ``state_fwd``) with blocks (None: the first of ``CANDIDATE_BLOCKS`` that fits);
     where it does not, the call raises the reason."""
     out_dtype = jnp.dtype(out_dtype or terms.w.dtype)
-    return any(_refusal(terms, layout, init, h0, b, with_output, out_dtype) is None
-               for b in ((blocks,) if blocks else CANDIDATE_BLOCKS))
+    if blocks is None:
+        return _first_fitting(terms, layout, init, h0, with_output, out_dtype) is not None
+    return _refusal(terms, layout, init, h0, blocks, with_output, out_dtype) is None
 
 
 def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax.Array, *,
@@ -195,8 +194,9 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
     K, V] with the rows of sequences that end on no chunk here unwritten."""
     NT, B, HV, C, K = terms.w.shape
     V = terms.u.shape[-1]
-    blocks = blocks or _fitting_blocks(terms, layout, init, h0, with_output,
-                                       out_dtype or terms.w.dtype)
+    # where no candidate fits, the first one's refusal names the reason
+    blocks = (blocks or _first_fitting(terms, layout, init, h0, with_output, out_dtype)
+              or CANDIDATE_BLOCKS[0])
     BV, slots = blocks.block_cols, blocks.slots
     _check(terms, layout, init, h0, blocks, with_output, out_dtype)
     operand = terms.w.dtype
