@@ -16,6 +16,8 @@ idx of the table, which the output aliases (rows no program writes keep their va
 nothing is written for idx = -1). The refs are whole arrays,
 indexed with the program's b, hv, token and idx (``recurrent_kernel``). The column block is
 the grid's first (fastest) axis, so the programs that share a state's rows run side by side.
+The states are streamed once (loaded and stored with evict_first, as are v and o); q, k and
+g, which the column blocks of a head share, are kept in the L2 cache (evict_last).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxcp.l2norm import l2_row_scales
 from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
@@ -41,31 +44,37 @@ def recurrent_kernel(*refs, names, scale: float, group: int, per_channel: bool, 
     cols = pl.ds(j * block_cols, block_cols)
     idx = r.idx[b]
     K = r.q.shape[-1]
-    stored = r.table_in[jnp.maximum(idx, 0), hv, pl.ds(0, K), cols]
+    streamed = lambda ref: pltriton.load(ref, eviction_policy="evict_first")
+    shared = lambda ref: pltriton.load(ref, eviction_policy="evict_last")
+    stored = streamed(r.table_in.at[jnp.maximum(idx, 0), hv, pl.ds(0, K), cols])
     state = jnp.where(idx >= 0, stored, jnp.zeros_like(stored))
 
     def unit(x):
         return x * l2_row_scales(x) if normalize_qk else x
 
     def token(t, state):
-        q_t = unit(r.q[b, t, h, pl.ds(0, K)].astype(jnp.float32)) * scale
-        k_t = unit(r.k[b, t, h, pl.ds(0, K)].astype(jnp.float32))
-        v_t = r.v[b, t, hv, cols].astype(jnp.float32)
+        q_t = unit(shared(r.q.at[b, t, h, pl.ds(0, K)]).astype(jnp.float32)) * scale
+        k_t = unit(shared(r.k.at[b, t, h, pl.ds(0, K)]).astype(jnp.float32))
+        v_t = streamed(r.v.at[b, t, hv, cols]).astype(jnp.float32)
         if per_channel:
-            state = state * jnp.exp(r.g[b, t, hv, pl.ds(0, K)].astype(jnp.float32))[:, None]
+            state = state * jnp.exp(shared(r.g.at[b, t, hv, pl.ds(0, K)]).astype(
+                jnp.float32))[:, None]
         else:
             state = state * jnp.exp(r.g[b, t, hv].astype(jnp.float32))
         v_new = (v_t - jnp.sum(k_t[:, None] * state, axis=0)) * r.beta[b, t, hv].astype(
             jnp.float32)
         state = state + k_t[:, None] * v_new[None, :]
-        r.o[b, t, hv, cols] = jnp.sum(q_t[:, None] * state, axis=0).astype(r.o.dtype)
+        pltriton.store(r.o.at[b, t, hv, cols],
+                       jnp.sum(q_t[:, None] * state, axis=0).astype(r.o.dtype),
+                       eviction_policy="evict_first")
         return state
 
     state = lax.fori_loop(0, T, token, state)
 
     @pl.when(idx >= 0)
     def _():
-        r.table[idx, hv, pl.ds(0, K), cols] = state
+        pltriton.store(r.table.at[idx, hv, pl.ds(0, K), cols], state,
+                       eviction_policy="evict_first")
 
 
 def recurrent_step(q, k, v, g, beta, table, state_indices, *, scale: float,
