@@ -57,28 +57,50 @@ def has_table(layout) -> bool:
 
 class ChunkRows(NamedTuple):
     """The rows of one chunk in a token slab: first row `start`, `count` real rows of C
-    (None: all C, no mask)."""
+    (None: all C, no mask); reverse: tiles list the rows last first (``reversed``)."""
     start: jax.Array
     count: jax.Array | None
     size: int
+    reverse: bool = False
 
     def sub(self, first, size: int) -> "ChunkRows":
         """Its rows first .. first + size - 1 (first may be traced) as rows of their own."""
+        if self.reverse:
+            raise ValueError("ChunkRows.sub: the rows of a reversed view are not sliced")
         count = None if self.count is None else self.count - first
         return ChunkRows(self.start + first, count, size)
 
+    def reversed(self) -> "ChunkRows":
+        """The same rows, read and written last first: row i of a tile is the chunk's row
+        C - 1 - i (a reverse scan is then ``jnp.cumsum``, which Pallas lowers forward only)."""
+        return self._replace(reverse=not self.reverse)
+
+    def _positions(self, shape):
+        """The chunk row each tile row stands for, broadcast to shape."""
+        i = lax.broadcasted_iota(jnp.int32, shape, 0)
+        return self.size - 1 - i if self.reverse else i
+
     def _at(self, ref, cols):
-        rows = pl.ds(self.start, self.size)
         if len(ref.shape) == 1:
-            return ref.at[rows], (self.size,)
+            shape = (self.size,)
+            if self.reverse:
+                return ref.at[self.start + self._positions(shape)], shape
+            return ref.at[pl.ds(self.start, self.size)], shape
         first, n = cols if cols is not None else (0, ref.shape[1])
-        return ref.at[rows, pl.ds(first, n)], (self.size, n)
+        shape = (self.size, n)
+        if self.reverse:
+            # whole-tile index arrays, row and column (a masked access by a row array and
+            # a column slice has no interpret-mode rule)
+            columns = first + lax.broadcasted_iota(jnp.int32, shape, 1)
+            return ref.at[self.start + self._positions(shape), columns], shape
+        return ref.at[pl.ds(self.start, self.size), pl.ds(first, n)], shape
 
     def _mask(self, shape):
-        return lax.broadcasted_iota(jnp.int32, shape, 0) < self.count
+        return self._positions(shape) < self.count
 
     def valid(self) -> jax.Array | None:
-        """[C] float32: 1 on the chunk's tokens, 0 past count (None: all C are tokens)."""
+        """[C] float32: 1 on the chunk's tokens, 0 past count (None: all C are tokens), in
+        the view's row order."""
         if self.count is None:
             return None
         return self._mask((self.size,)).astype(jnp.float32)
@@ -87,6 +109,8 @@ class ChunkRows(NamedTuple):
         """The chunk's [C, n] tile of columns cols = (first, n) (all columns if None), or
         its [C] vector of a [T] slab; zero in the rows past count, or (loose, tiles only)
         the following tokens there."""
+        if loose and self.reverse:
+            raise ValueError("ChunkRows.load: a reversed view reads masked, not loose")
         if loose and self.count is not None and len(ref.shape) == 2:
             first, n = cols if cols is not None else (0, ref.shape[1])
             rows = self.start + lax.broadcasted_iota(jnp.int32, (self.size,), 0)

@@ -12,12 +12,12 @@ g [B, T, HV, K] is read where the caller has it (chunk c at the layout's rows,
 the chunk layout [NT, B, HV, C, K] float32: the KDA kernels read G at rows they cannot
 slice out of a register tile (``gates``), and padding rows hold the chunk's last
 G, as a cumsum of zeros does. One program per (chunk, batch, head, block of columns). The
-forward scans its [C, bk] tile with ``jnp.cumsum``. The backward's reverse cumsum is a product with
-the upper triangle of ones (Triton has no reverse scan): dy_s sums only the rows at and
-after s, each to the product's precision (3xTF32: 2^-22 relative per term; IEEE in
-interpret mode), never a difference of two prefix sums, whose rounding would be that of
-the whole chunk's sum. The activation's parameter cotangents leave the kernel as partial
-sums per (chunk, batch, head, column) and XLA adds them up.
+forward scans its [C, bk] tile with ``jnp.cumsum``. The backward reads dG's rows and g's,
+and writes dg's, last first (``ChunkRows.reversed``), so that its reverse cumsum is the
+same forward scan (Pallas lowers no reverse scan): dy_s sums only the rows at and after s,
+never a difference of two prefix sums, whose rounding would be that of the whole chunk's
+sum. The activation's parameter cotangents leave the kernel as partial sums per (chunk,
+batch, head, column) and XLA adds them up.
 
 The gate's cumsum has the same float32 rounding as the jnp stages: in a chunk that mixes
 gates of -1e3 with gates near 0, the differences of G lose digits (docs/precision.md,
@@ -39,7 +39,6 @@ from jaxcp.layout import ChunkLayout
 from jaxcp.pallas.triton.common.call import Operands, call, named, refs_type
 from jaxcp.pallas.triton.common.chunk_rows import add_chunk_rows, program_rows, slab_spec
 from jaxcp.pallas.triton.common.launch import ChunkBlocks
-from jaxcp.pallas.triton.common.products import fp32_precision
 from jaxcp.vma import match_cotangent
 
 # columns per program: a [64, 64] float32 tile is 32 registers per thread at 4 warps
@@ -85,11 +84,10 @@ def _forward_kernel(*refs, names, cfg: GateCumsum):
 def _backward_kernel(*refs, names, cfg: GateCumsum):
     r = named(_Refs, names, refs)
     C = cfg.chunk_size
-    rows = program_rows(r, C)
-    at_or_after = (lax.broadcasted_iota(jnp.int32, (C, C), 1)
-                   >= lax.broadcasted_iota(jnp.int32, (C, C), 0)).astype(jnp.float32)
-    dy = jnp.dot(at_or_after, r.dG[...], preferred_element_type=jnp.float32,
-                 precision=fp32_precision(cfg.interpret))
+    # rows last first: the reverse cumsum is the forward cumsum of the reversed rows
+    rows = program_rows(r, C).reversed()
+    last_first = C - 1 - lax.iota(jnp.int32, C)
+    dy = jnp.cumsum(r.dG[last_first, :], axis=0)
     if not cfg.activate:
         rows.store(r.dg, dy)
         return
