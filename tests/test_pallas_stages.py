@@ -700,6 +700,41 @@ def test_gdn_state_blocks_keep_two_programs_per_sm_at_k256():
     assert StateBlocks.gdn("state_output", 128, 128, 16) == StateBlocks.default(128)
 
 
+@pytest.mark.parametrize("count", [None, 5])
+def test_chunk_rows_reversed(count):
+    """A reversed view of a chunk's rows (``ChunkRows.reversed``) reads row C - 1 - i into
+    tile row i, of a [T] slab and of a [T, n] slab's columns, zero past the chunk's count,
+    and writes back the same way, leaving the rows past count and the other rows alone."""
+    from jax.experimental import pallas as pl
+    from jaxcp.pallas.triton.common.chunk_rows import ChunkRows
+
+    T, C, start, n = 24, 8, 9, 4
+    vec = jnp.arange(T, dtype=jnp.float32)
+    tile = jnp.arange(T * 6, dtype=jnp.float32).reshape(T, 6)
+
+    def kernel(vec_ref, tile_ref, vec_out, tile_out, vec_read, tile_read):
+        rows = ChunkRows(jnp.int32(start), None if count is None else jnp.int32(count),
+                         C).reversed()
+        vec_read[...] = rows.load(vec_ref)
+        tile_read[...] = rows.load(tile_ref, (1, n))
+        vec_out[...] = vec_ref[...]
+        tile_out[...] = tile_ref[...]
+        rows.store(vec_out, -rows.load(vec_ref))
+        rows.store(tile_out, -rows.load(tile_ref, (1, n)), (1, n))
+
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((T,), (T, 6), (C,), (C, n))]
+    got = pl.pallas_call(kernel, out_shape=shapes, interpret=True)(vec, tile)
+    real = C if count is None else count
+    chunk = np.arange(start, start + C)[::-1]              # the chunk's rows, last first
+    kept = (np.arange(C)[::-1] < real)[:, None]
+    want_vec_read = np.where(kept[:, 0], np.asarray(vec)[chunk], 0.0)
+    want_tile_read = np.where(kept, np.asarray(tile)[chunk, 1:1 + n], 0.0)
+    want_vec, want_tile = np.asarray(vec).copy(), np.asarray(tile).copy()
+    want_vec[start:start + real] *= -1
+    want_tile[start:start + real, 1:1 + n] *= -1
+    chex.assert_trees_all_equal(tuple(got), (want_vec, want_tile, want_vec_read, want_tile_read))
+
+
 def test_bf16x3_products_keep_16_bits():
     """The GPU's precise products for bf16 inputs (not interpret mode): fp32 x fp32 and a
     bf16 tile against an fp32 one are within 2^-16 of float64, relative to the largest
