@@ -11,12 +11,13 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 | "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no, no         |
 | "pallas" | SCALAR  | Pallas ``gdn.intra``, ``gdn.grads`` | Pallas ``state``  | yes, no        |
 | "pallas" | CHANNEL | Pallas ``kda.intra``, ``kda.grads`` | Pallas ``state``  | yes, yes       |
-| "mosaic" | SCALAR  | as "pallas"                         | Mosaic GPU fwd    | yes, no        |
+| "mosaic" | SCALAR  | Mosaic GPU fwd intra; as "pallas"   | Mosaic GPU fwd    | yes, no        |
 
 The Pallas modules are those of ``jaxcp.pallas.triton`` (``state``: ``common.state``).
-"mosaic" runs GDN's forward state recurrences (``state_output``, and ``state_fwd`` in the
-backward) as the Mosaic GPU kernels of ``jaxcp.pallas.mosaic`` where they take the terms,
-and the "pallas" stages for the rest; bf16 inputs only.
+"mosaic" runs GDN's forward intra-chunk terms (``intra``) and forward state recurrences
+(``state_output``, and ``state_fwd`` in the backward) as the Mosaic GPU kernels of
+``jaxcp.pallas.mosaic`` where they take their inputs, and the "pallas" stages for the rest;
+bf16 inputs only.
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant
 is one ``Gate`` value and its entries here.
@@ -209,15 +210,18 @@ def _pallas_gdn_stages(opts: StageOptions) -> Stages:
 
 
 def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
-    """GDN's Pallas stages with the forward state recurrence fused with the output
-    (state_output) and the backward's state pass again (state_fwd) as Mosaic GPU kernels
-    (``jaxcp.pallas.mosaic``) wherever those take the terms (``state.takes``: whole chunks,
-    C, K, V multiples of 64, within shared memory), the Triton kernels elsewhere. Inside
+    """GDN's Pallas stages with the intra-chunk terms (intra), the forward state recurrence
+    fused with the output (state_output) and the backward's state pass again (state_fwd) as
+    Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
+    (``gdn.intra.takes``: whole chunks of 64, K, V multiples of 64 up to 256, unit q, k
+    rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within shared memory), the
+    Triton kernels elsewhere. Inside
     shard_map (CP, or any sharded call) the Triton kernels run too: there the op's
     gradients with the Mosaic kernels disagreed with one device's on 2 H200s (its output
     agreed), for a reason not yet found. bf16 inputs only: the Mosaic kernels' products
     take bf16 operands."""
     from jaxcp.pallas.mosaic.common import state as mosaic_state
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
     if opts.dot_dtype != "bfloat16":
         raise ValueError(f"backend='mosaic' takes bfloat16 inputs (its kernels' products "
                          f"take bf16 operands), got inputs that run {opts.dot_dtype} "
@@ -227,6 +231,14 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     def mosaic_runs(terms, layout, init, h0, with_output: bool) -> bool:
         return not inside_shard_map() and mosaic_state.takes(terms, layout, init, h0,
                                                              with_output=with_output)
+
+    def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
+        kw = dict(normalize_qk=opts.normalize_qk, unit_qk=opts.unit_qk)
+        if not inside_shard_map() and mosaic_intra.takes(q, k, v, layout, opts.chunk_size,
+                                                         **kw):
+            return mosaic_intra.intra_chunk(q, k, v, g, beta, scale, layout,
+                                            opts.chunk_size, with_inverse=with_inverse, **kw)
+        return triton.intra(q, k, v, g, beta, scale, layout, with_inverse)
 
     def state_output(terms, layout, init, h0, with_finals):
         if mosaic_runs(terms, layout, init, h0, with_output=True):
@@ -238,7 +250,7 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
             return mosaic_state.state_fwd(terms, layout, init, h0)
         return triton.state_fwd(terms, layout, init, h0)
 
-    return triton._replace(state_output=state_output, state_fwd=state_fwd)
+    return triton._replace(intra=intra, state_output=state_output, state_fwd=state_fwd)
 
 
 def _pallas_kda_stages(opts: StageOptions) -> Stages:

@@ -262,3 +262,123 @@ def test_mosaic_stages_leave_shard_map_bodies_to_triton(monkeypatch):
     jax.eval_shape(jax.shard_map(lambda h: run(h[0])[None], mesh=mesh, in_specs=P("seq"),
                                  out_specs=P("seq")), jnp.stack([h0, h0]))
     assert ran == ["mosaic"]
+
+
+def intra_inputs(NT=2, HV=2, K=128, V=128, correlated=False, gates=None):
+    """bf16 token tensors of NT whole chunks of 64 (one batch row) and their layout; the
+    keys shared by a head plus 10 % noise with 10x weaker decays (correlated), or every
+    log-decay at `gates`."""
+    from helpers import make_inputs
+    from jaxcp.layout import build_layout
+    T = NT * 64
+    q, k, v, g, beta, _ = make_inputs("gdn", 1, T, HV, HV, K, V, correlated_keys=correlated)
+    if gates is not None:
+        g = jnp.full_like(g, gates)
+    layout, _ = build_layout(1, T, 64, None, 0, T)
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    return (bf16(q), bf16(k), bf16(v), g, beta), layout
+
+
+def triton_intra(args, layout, scale, normalize_qk=True):
+    """The Triton kernel's terms with the inverse, interpreted, at the "pallas" backend's
+    bf16 precision."""
+    from jaxcp.pallas.triton.common.products import KernelPrecision
+    from jaxcp.pallas.triton.gdn import intra as triton_gdn
+    precision = KernelPrecision(dot_dtype=jnp.bfloat16, tile_dtype=jnp.bfloat16, precise=False)
+    return triton_gdn.intra_chunk(*args, scale, layout, 64, with_inverse=True, interpret=True,
+                                  precision=precision, normalize_qk=normalize_qk)
+
+
+def assert_intra_terms_close(got: ChunkTerms, want: ChunkTerms, rows_want=None):
+    """The bf16 tiles within two bf16 rounding steps of each other (the inverse's float16
+    products against the Triton kernel's float32 ones in interpret mode), the float32 row
+    factors and decays (q_rows, k_rows, decay) to float32 rounding of want's, or of
+    rows_want; q and k are the token tensors as given."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_tree_all_finite(got)
+    bf16_steps = 2.0 ** -7
+    tiles = lambda t: (t.w, t.u, t.attn, t.inv)
+    chex.assert_trees_all_close(tiles(got), tiles(want), rtol=bf16_steps, atol=bf16_steps)
+    rows = lambda t: (t.q_rows, t.k_rows, t.decay)
+    chex.assert_trees_all_close(rows(got), rows_want or rows(want), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal((got.qg, got.kd), (want.qg, want.kd))
+
+
+@pytest.mark.parametrize("correlated", [False, True])
+def test_intra_interpret_equals_the_triton_kernel(correlated):
+    """GDN's Mosaic intra kernel (q, k normalised inside it) gives the Triton kernel's terms,
+    its inverse included, on random and on correlated keys (where A is far from small);
+    w and u within the bf16 limit of the float32 jnp stage."""
+    from jaxcp import xla
+    from jaxcp.gate import Gate
+    from jaxcp.l2norm import l2_normalize
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
+    args, layout = intra_inputs(correlated=correlated)
+    scale = 128 ** -0.5
+    got = jax.jit(lambda *a: mosaic_intra.intra_chunk(
+        *a, scale, layout, 64, normalize_qk=True, with_inverse=True, interpret=True))(*args)
+    assert_intra_terms_close(got, jax.jit(lambda *a: triton_intra(a, layout, scale))(*args))
+    q, k, v, g, beta = args
+    chunks = lambda x: to_chunks(x.astype(jnp.float32), None, layout.chunk_starts.shape[0], 64)
+    exact = xla.intra_chunk(chunks(l2_normalize(q)), chunks(l2_normalize(k)), chunks(v),
+                            chunks(g[..., None]), chunks(beta), scale, gate=Gate.SCALAR)
+    assert rel_error(got.w, exact.w) < 1e-2 and rel_error(got.u, exact.u) < 1e-2
+
+
+def test_intra_interpret_stays_finite_for_very_negative_gates():
+    """Log-decays of -1e3 (every E_ij, j < i, underflows to zero; exp(G) of q's rows too):
+    the tiles are finite and equal the Triton kernel's, the row factors the float64 ones
+    (the last row's k factor exp(G_C - G_C) = 1 exactly, which the Triton kernel's
+    exp(sum(g) - cumsum(g)) misses by the rounding of G at -6.4e4); q and k of unit rows
+    (unit_qk)."""
+    import numpy as np
+    from jaxcp.l2norm import l2_normalize
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
+    (q, k, v, g, beta), layout = intra_inputs(NT=1, gates=-1e3)
+    unit = lambda x: l2_normalize(x).astype(jnp.bfloat16)
+    args = (unit(q), unit(k), v, g, beta)
+    got = mosaic_intra.intra_chunk(*args, 0.1, layout, 64, normalize_qk=False, unit_qk=True,
+                                   with_inverse=True, interpret=True)
+    G = np.cumsum(np.asarray(g, np.float64), axis=1)                 # [1, 64, HV]
+    rows = lambda x: jnp.asarray(np.moveaxis(x, 1, -1)[None], jnp.float32)   # [1, 1, HV, 64]
+    rows_want = (rows(0.1 * np.exp(G)), rows(np.exp(G[:, -1:] - G)),
+                 jnp.asarray(np.exp(G[:, -1])[None, :, :, None], jnp.float32))
+    assert_intra_terms_close(got, triton_intra(args, layout, 0.1, normalize_qk=False),
+                             rows_want)
+
+
+@pytest.mark.parametrize("K, V, with_inverse, normalize_qk", [
+    (128, 128, True, True), (128, 128, False, False), (64, 128, False, True),
+    (256, 256, True, False)])
+def test_intra_lowers_for_cuda(K, V, with_inverse, normalize_qk):
+    """The kernel, its left operands from registers, lowers to a Mosaic GPU custom call for
+    CUDA from this CPU machine, at K = 64 to 256, with and without the kept inverse and the
+    in-kernel norm."""
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
+    args, layout = intra_inputs(K=K, V=V)
+    assert mosaic_intra.takes(*args[:3], layout, 64, normalize_qk=normalize_qk, unit_qk=True)
+    fn = jax.jit(lambda *a: mosaic_intra.intra_chunk(
+        *a, 0.1, layout, 64, normalize_qk=normalize_qk, unit_qk=True,
+        with_inverse=with_inverse))
+    assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+
+def test_intra_refuses_what_it_does_not_take():
+    from jaxcp.layout import build_layout
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
+    (q, k, v, g, beta), layout = intra_inputs()
+    run = lambda *a, layout=layout, chunk_size=64, normalize_qk=True: mosaic_intra.intra_chunk(
+        *a, 0.1, layout, chunk_size, normalize_qk=normalize_qk)
+    with pytest.raises(ValueError, match="chunk_size 64"):
+        run(q, k, v, g, beta, chunk_size=32)
+    packed, _ = build_layout(1, 128, 64, jnp.array([0, 70, 128], jnp.int32), 0, 128)
+    with pytest.raises(ValueError, match="token table"):
+        run(q, k, v, g, beta, layout=packed)
+    with pytest.raises(ValueError, match="unit q, k rows"):
+        run(q, k, v, g, beta, normalize_qk=False)
+    with pytest.raises(ValueError, match="K a multiple of 64"):
+        run(q[..., :32], k[..., :32], v, g, beta)
+    with pytest.raises(TypeError, match="bfloat16 q, k, v"):
+        run(q.astype(jnp.float32), k, v, g, beta)
+    with pytest.raises(ValueError, match="v must be"):
+        run(q, k, v[:, :64], g, beta)

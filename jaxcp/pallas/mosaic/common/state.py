@@ -50,12 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.layout import ChunkLayout, from_chunks, to_chunks
+from jaxcp.pallas.mosaic.common.tiles import SMEM_BYTES, SWIZZLE_BYTES, operand_smem, products
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import unify, vary_like
 
-SWIZZLE_BYTES = 128
 OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
-SMEM_BYTES = 227 * 1024         # shared memory a Hopper block may opt in to
 
 
 @dataclass(frozen=True)
@@ -76,13 +75,6 @@ def _swizzle(blocks: StateBlocks, dtype) -> int:
     """The operand tiles' swizzle in bytes: 128, or the width of a row of BV operand columns
     where that is less (32 bf16 columns: 64). A product's two operands share it."""
     return min(SWIZZLE_BYTES, blocks.block_cols * jnp.dtype(dtype).itemsize)
-
-
-def _operand_smem(shape: tuple[int, ...], dtype, swizzle: int) -> plgpu.SMEM:
-    """A wgmma operand tile in shared memory: 8-row tiles of swizzle bytes, swizzled."""
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def _smem_bytes(C: int, K: int, blocks: StateBlocks, u_bytes: int, out_bytes: int | None,
@@ -259,14 +251,6 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
             # a sequence start selects the fresh state: what came before never reaches it
             return lax.cond(plgpu.load(starts_g.at[c, b]) != 0, fresh, lambda: S)
 
-        def products(pairs, shape):
-            """sum_i a_i b_i, float32."""
-            def run(acc):
-                for a, b_ in pairs:
-                    plgpu.wgmma(acc, a, b_)
-                return acc[...]
-            return pl.run_scoped(run, plgpu.ACC(shape, f32))
-
         def to_smem(tile_s, value, dst=None):
             """value in tile_s's dtype into tile_s, once the stores that read it a chunk
             ago are done (the chunk's other stores may still be in flight), and from there
@@ -353,7 +337,7 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
         out_type = (struct((NT, B, HV, K, V), operand), struct((NT, B, HV, C, V), operand))
     # tiles a form does not use get a stand-in of one swizzle tile (or 64 floats)
     swizzle = _swizzle(blocks, operand)
-    smem = lambda shape, dtype=operand: _operand_smem(shape, dtype, swizzle)
+    smem = lambda shape, dtype=operand: operand_smem(shape, dtype, swizzle)
     tile_if = lambda used, shape, dtype=operand: smem(shape if used else shape[:-2] + (8, 64),
                                                       dtype)
     rows_if = lambda used: plgpu.SMEM((slots, C if used else 64), f32)

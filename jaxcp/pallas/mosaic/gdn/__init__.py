@@ -1,0 +1,1 @@
+"""Gated DeltaNet's Mosaic GPU kernels (scalar gate)."""
