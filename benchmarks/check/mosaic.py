@@ -1,6 +1,6 @@
-"""The Mosaic GPU state recurrence on the current device, in both its forms (``state_fwd``:
-h and v_new per chunk; ``state_output``: fused with the output): their numbers and their time
-beside the Triton kernels'.
+"""GDN's Mosaic GPU kernels on the current device: the state recurrence in both its forms
+(``state_fwd``: h and v_new per chunk; ``state_output``: fused with the output) and the
+intra-chunk terms (``intra``): their numbers and their time beside the Triton kernels'.
 
     python -m benchmarks.check.mosaic --NT 128 512 --H 64          # on a Hopper GPU
     python -m benchmarks.check.mosaic --NT 2 --H 1 --interpret     # anywhere (no times)
@@ -16,6 +16,12 @@ precision (``benchmarks.timing.pipelined_ms``, whose median leaves out the first
 which the allocator's pool grows by the outputs: h alone is NT x H x 32 KiB). --json writes
 one record per case and form: form, NT, H, errors (name -> relative error, "ref" against
 the reference, "f32" against float32), ms (impl -> ms, or none), device, jax.
+
+The ``intra`` form reads the token tensors of the same kind of case (bf16 q, k, v, raw q, k
+normalised in the kernel) and writes w, u, attn and the kept inverse; its reference is the
+Triton kernel (``gdn.intra``) at the "pallas" backend's bf16 precision, whose inverse runs
+TF32 products where the Mosaic kernel's runs float16 ones (the same mantissa), and its
+float32 twin is ``xla.intra_chunk`` of the normalised float32 inputs.
 """
 from __future__ import annotations
 
@@ -27,8 +33,10 @@ import sys
 # the chunks; h, v_new and o, stored in bf16, to one bf16 rounding step where the two round
 # apart
 LIMIT_REFERENCE = {"h": 2.0 ** -8, "v_new": 2.0 ** -8, "o": 2.0 ** -8, "last": 1e-4,
-                   "finals": 1e-4}
-FORMS = {"state_fwd": ("h", "v_new", "last"), "state_output": ("o", "finals")}
+                   "finals": 1e-4, "w": 2.0 ** -8, "u": 2.0 ** -8, "attn": 2.0 ** -8,
+                   "inv": 2.0 ** -8}
+FORMS = {"state_fwd": ("h", "v_new", "last"), "state_output": ("o", "finals"),
+         "intra": ("w", "u", "attn", "inv")}
 LIMIT_FLOAT32 = 1e-2       # bf16 operands
 
 
@@ -57,6 +65,64 @@ def gdn_terms(NT: int, H: int, C: int = 64, D: int = 128):
     return terms, layout, h0
 
 
+def gdn_tokens(NT: int, H: int, C: int = 64, D: int = 128):
+    """(q, k, v, g, beta, layout): the token tensors of one sequence of NT chunks, q, k, v in
+    bf16 (q, k raw), g and beta [1, T, H] float32."""
+    import jax
+    import jax.numpy as jnp
+    from jaxcp.layout import build_layout
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    T = NT * C
+    normal = lambda key, shape: jax.random.normal(key, shape)
+    q, k, v = (normal(key, (1, T, H, D)).astype(jnp.bfloat16) for key in keys[:3])
+    g = jax.nn.log_sigmoid(normal(keys[3], (1, T, H)) + 4.0)
+    beta = jax.nn.sigmoid(normal(keys[4], (1, T, H)))
+    layout, _ = build_layout(1, T, C, None, 0, T)
+    return q, k, v, g, beta, layout
+
+
+def check_intra(NT: int, H: int, interpret: bool) -> dict:
+    """The intra form's record (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks.timing import pipelined_ms
+    from jaxcp.gate import Gate
+    from jaxcp.l2norm import l2_normalize
+    from jaxcp.layout import to_chunks
+    from jaxcp.metrics import rel_error
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic
+    from jaxcp.pallas.triton.common.products import KernelPrecision
+    from jaxcp.pallas.triton.gdn import intra as triton
+    from jaxcp import xla
+
+    *inputs, layout = gdn_tokens(NT, H)
+    scale = inputs[0].shape[-1] ** -0.5
+    bf16 = KernelPrecision(dot_dtype=jnp.bfloat16, tile_dtype=jnp.bfloat16, precise=False)
+    kernel = jax.jit(lambda *a: mosaic.intra_chunk(*a, scale, layout, 64, normalize_qk=True,
+                                                   with_inverse=True, interpret=interpret))
+    reference = jax.jit(lambda *a: triton.intra_chunk(
+        *a, scale, layout, 64, with_inverse=True, interpret=interpret, precision=bf16,
+        normalize_qk=True))
+    q, k, v, g, beta = inputs
+    chunks = lambda x: to_chunks(x.astype(jnp.float32), None, NT, 64)
+    exact = jax.jit(lambda q, k, v, g, beta: xla.intra_chunk(
+        chunks(l2_normalize(q)), chunks(l2_normalize(k)), chunks(v), chunks(g[..., None]),
+        chunks(beta), scale, gate=Gate.SCALAR, with_inverse=True))
+    got, want, f32 = kernel(*inputs), reference(*inputs), exact(*inputs)
+    errors = {}
+    for name in FORMS["intra"]:
+        a = getattr(got, name)
+        finite = bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+        errors[f"{name} ref"] = rel_error(a, getattr(want, name)) if finite else float("nan")
+        errors[f"{name} f32"] = rel_error(a, getattr(f32, name)) if finite else float("nan")
+    del got, want, f32
+    ms = None if interpret else {"jaxcp-mosaic": pipelined_ms(kernel, *inputs),
+                                 "jaxcp-pallas": pipelined_ms(reference, *inputs)}
+    return dict(form="intra", NT=NT, H=H, errors=errors, ms=ms,
+                device=jax.devices()[0].device_kind, jax=jax.__version__)
+
+
 def check(form: str, NT: int, H: int, interpret: bool) -> dict:
     """One case's record of one form (module docstring)."""
     import jax
@@ -69,6 +135,8 @@ def check(form: str, NT: int, H: int, interpret: bool) -> dict:
     from jaxcp.pallas.triton.common.products import KernelPrecision
     from jaxcp import xla
 
+    if form == "intra":
+        return check_intra(NT, H, interpret)
     terms, layout, h0 = gdn_terms(NT, H)
     if form == "state_fwd":
         kernel = jax.jit(lambda t, l, h: mosaic.state_fwd(t, l, None, h, interpret=interpret))
@@ -116,6 +184,7 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--NT", type=int, nargs="+", default=[128, 512], help="chunks of 64 tokens")
     ap.add_argument("--H", type=int, default=64, help="value heads")
+    ap.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS))
     ap.add_argument("--interpret", action="store_true",
                     help="Mosaic GPU's interpret mode (any device), no times")
     ap.add_argument("--json", help="write one record per case here")
@@ -123,7 +192,7 @@ def main(argv=None) -> int:
     if min(args.NT) < 1 or args.H < 1:
         ap.error("--NT and --H must be positive")
     records, ok = [], True
-    for form, NT in ((form, NT) for form in FORMS for NT in args.NT):
+    for form, NT in ((form, NT) for form in args.forms for NT in args.NT):
         r = check(form, NT, args.H, args.interpret)
         records.append(r)
         ok &= within_limits(r["errors"])
