@@ -382,3 +382,16 @@ def test_intra_refuses_what_it_does_not_take():
         run(q.astype(jnp.float32), k, v, g, beta)
     with pytest.raises(ValueError, match="v must be"):
         run(q, k, v[:, :64], g, beta)
+
+
+def test_mosaic_stages_run_the_intra_kernel_on_whole_chunks():
+    """The "mosaic" backend's intra stage is the Mosaic kernel where it takes the inputs
+    (whole chunks, q, k normalised in it): the stage lowers for CUDA to that kernel."""
+    from jaxcp.gate import Gate
+    from jaxcp.stages import StageOptions, stages_for
+    stages = stages_for(StageOptions("mosaic", Gate.SCALAR, "bfloat16", normalize_qk=True,
+                                     chunk_size=64))
+    (q, k, v, g, beta), layout = intra_inputs()
+    fn = jax.jit(lambda *a: stages.intra(*a, 0.1, layout, with_inverse=True))
+    text = export.export(fn, platforms=["cuda"])(q, k, v, g, beta).mlir_module()
+    assert "mosaic_gdn_intra_chunk" in text
