@@ -214,7 +214,6 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         # w leaves through k's tile, u through v's: their products are the last to read them
         times_split(inv * as_cols(beta_col * jnp.exp(G_col) * rk_col), k_s, w_g.at[c, b, hv])
         times_split(inv * as_cols(beta_col), v_s, u_g.at[c, b, hv])
-
         plgpu.wait_smem_to_gmem(0)
 
     args, manual_axes = unify([q, k, v, G, beta_c])
