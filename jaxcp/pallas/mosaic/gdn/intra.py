@@ -3,9 +3,9 @@ kernel ``jaxcp.pallas.triton.gdn.intra.intra_chunk``, with its outputs (the row-
 ``ChunkTerms``) and its roundings.
 
 One program per (chunk c, batch row b, value head hv), one warpgroup, 72 KiB of shared
-memory (room for three programs on an SM). The chunk's rows of
-q, k [C, K] and v [C, V] arrive by TMA from the token tensors (whole chunks: T a multiple of
-C, no token table), with G, the chunk's cumsum of the log-decay, and beta [C]. With
+memory at K = V = 128 (room for three programs on an SM). The chunk's rows of q, k [C, K]
+and v [C, V] arrive by TMA from the token tensors (whole chunks: T a multiple of C, no
+token table), with G, the chunk's cumsum of the log-decay, and beta [C]. With
 E_ij = exp(G_i - G_j) and r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without
 normalize_qk):
 
