@@ -82,6 +82,20 @@ def gdn_tokens(NT: int, H: int, C: int = 64, D: int = 128):
     return q, k, v, g, beta, layout
 
 
+def relative_errors(form: str, got, want, f32) -> dict:
+    """name -> relative error of each of the form's outputs, "ref" against the reference,
+    "f32" against float32 (NaN where the output is not finite)."""
+    import jax.numpy as jnp
+    from jaxcp.metrics import rel_error
+
+    errors = {}
+    for name, a, b, c in zip(FORMS[form], got, want, f32):
+        finite = bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+        errors[f"{name} ref"] = rel_error(a, b) if finite else float("nan")
+        errors[f"{name} f32"] = rel_error(a, c) if finite else float("nan")
+    return errors
+
+
 def check_intra(NT: int, H: int, interpret: bool) -> dict:
     """The intra form's record (module docstring)."""
     import jax
@@ -90,7 +104,6 @@ def check_intra(NT: int, H: int, interpret: bool) -> dict:
     from jaxcp.gate import Gate
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import to_chunks
-    from jaxcp.metrics import rel_error
     from jaxcp.pallas.mosaic.gdn import intra as mosaic
     from jaxcp.pallas.triton.common.products import KernelPrecision
     from jaxcp.pallas.triton.gdn import intra as triton
@@ -109,14 +122,9 @@ def check_intra(NT: int, H: int, interpret: bool) -> dict:
     exact = jax.jit(lambda q, k, v, g, beta: xla.intra_chunk(
         chunks(l2_normalize(q)), chunks(l2_normalize(k)), chunks(v), chunks(g[..., None]),
         chunks(beta), scale, gate=Gate.SCALAR, with_inverse=True))
-    got, want, f32 = kernel(*inputs), reference(*inputs), exact(*inputs)
-    errors = {}
-    for name in FORMS["intra"]:
-        a = getattr(got, name)
-        finite = bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
-        errors[f"{name} ref"] = rel_error(a, getattr(want, name)) if finite else float("nan")
-        errors[f"{name} f32"] = rel_error(a, getattr(f32, name)) if finite else float("nan")
-    del got, want, f32
+    named = lambda terms: [getattr(terms, name) for name in FORMS["intra"]]
+    errors = relative_errors("intra", *map(named, (kernel(*inputs), reference(*inputs),
+                                                   exact(*inputs))))
     ms = None if interpret else {"jaxcp-mosaic": pipelined_ms(kernel, *inputs),
                                  "jaxcp-pallas": pipelined_ms(reference, *inputs)}
     return dict(form="intra", NT=NT, H=H, errors=errors, ms=ms,
@@ -129,7 +137,6 @@ def check(form: str, NT: int, H: int, interpret: bool) -> dict:
     import jax.numpy as jnp
     from benchmarks.timing import pipelined_ms
     from jaxcp.gate import Gate
-    from jaxcp.metrics import rel_error
     from jaxcp.pallas.mosaic.common import state as mosaic
     from jaxcp.pallas.triton.common import state as triton
     from jaxcp.pallas.triton.common.products import KernelPrecision
@@ -147,15 +154,9 @@ def check(form: str, NT: int, H: int, interpret: bool) -> dict:
                                                              interpret=interpret))
         reference = lambda t, l, h: mosaic.state_output_reference(t, l, None, h, True)
         exact = lambda t, l, h: xla.state_output(t, l, None, h, True)
-    got = kernel(terms, layout, h0)
-    want = jax.jit(reference)(terms, layout, h0)
-    f32 = jax.jit(exact)(terms, layout, h0)
-    errors = {}
-    for name, a, b, c in zip(FORMS[form], got, want, f32):
-        finite = bool(jnp.all(jnp.isfinite(a)))
-        errors[f"{name} ref"] = rel_error(a, b) if finite else float("nan")
-        errors[f"{name} f32"] = rel_error(a, c) if finite else float("nan")
-    del got, want, f32
+    errors = relative_errors(form, kernel(terms, layout, h0),
+                             jax.jit(reference)(terms, layout, h0),
+                             jax.jit(exact)(terms, layout, h0))
     ms = None
     if not interpret:
         bf16 = KernelPrecision(dot_dtype=jnp.bfloat16, tile_dtype=jnp.bfloat16, precise=False)

@@ -17,8 +17,8 @@ def operand_smem(shape: tuple[int, ...], dtype, swizzle: int = SWIZZLE_BYTES) ->
 
 
 def products(pairs, shape: tuple[int, int]):
-    """sum_i a_i b_i over (a_i, b_i) operand pairs in shared memory, float32 accumulation,
-    in registers (the wgmma accumulator layout)."""
+    """sum_i a_i b_i, float32 accumulation, in registers (the wgmma accumulator layout):
+    b_i in shared memory, a_i in shared memory or a 16-bit array in registers."""
     def run(acc):
         for a, b in pairs:
             plgpu.wgmma(acc, a, b)

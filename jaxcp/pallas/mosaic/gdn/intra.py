@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.l2norm import L2NORM_EPS
-from jaxcp.layout import ChunkLayout
+from jaxcp.layout import ChunkLayout, to_chunks
 from jaxcp.pallas.mosaic.common.tiles import operand_smem, products
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import unify, vary_like
@@ -93,9 +93,8 @@ def takes(q, k, v, layout: ChunkLayout, chunk_size: int, *, normalize_qk: bool,
 def chunk_gates(g: jax.Array, beta: jax.Array, NT: int) -> tuple[jax.Array, jax.Array]:
     """G (each chunk's cumsum of the log-decay g) and beta, token-major [B, T, HV] (g may
     have a trailing 1), as the kernel reads them: [NT, B, HV, C] float32."""
-    B, T, HV = beta.shape
-    chunks = lambda x: x.astype(jnp.float32).reshape(B, NT, CHUNK, HV).transpose(1, 0, 3, 2)
-    return jnp.cumsum(chunks(g.reshape(B, T, HV)), axis=-1), chunks(beta)
+    chunks = lambda x: to_chunks(x.reshape(beta.shape).astype(jnp.float32), None, NT, CHUNK)
+    return jnp.cumsum(chunks(g), axis=-1), chunks(beta)
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int, *,
@@ -172,15 +171,15 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         else:
             rk_row = rq_row = jnp.ones_like(G_row)
             rk_col = jnp.ones_like(G_col)
-        decays = lambda visible: jnp.exp(jnp.where(visible, as_rows(G_row) - as_cols(G_col),
-                                                   -jnp.inf))
+        # E_ij for j <= i, zero above the diagonal
+        decays = jnp.exp(jnp.where(i >= j, as_rows(G_row) - as_cols(G_col), -jnp.inf))
 
-        store(qk * decays(i >= j) * scale, cc_s, attn_g.at[c, b, hv])
+        store(qk * decays * scale, cc_s, attn_g.at[c, b, hv])
         store(jnp.exp(G_row) * (scale * rq_row), q_rows_s, q_rows_g.at[c, b, hv])
         store(jnp.exp(G_last - G_row) * rk_row, k_rows_s, k_rows_g.at[c, b, hv])
 
         beta_row = plgpu.load(beta_s, layout=row_layout)
-        a = kk * decays(i > j) * as_rows(beta_row)
+        a = jnp.where(i > j, kk * decays, 0.0) * as_rows(beta_row)
         block = i ^ j
         inv = jnp.where(i == j, 1.0, 0.0) - jnp.where(block < 2, a, 0.0)
         s = 2
