@@ -2,8 +2,8 @@
 kernel ``jaxcp.pallas.triton.gdn.intra.intra_chunk``, with its outputs (the row-factored
 ``ChunkTerms``) and its roundings.
 
-One program per (chunk c, batch row b, value head hv), one warpgroup, 72 KiB of shared
-memory at K = V = 128 (room for three programs on an SM). The chunk's rows of q, k [C, K]
+One program per (chunk c, batch row b, value head hv), one warpgroup, 86 KiB of shared
+memory at K = V = 128 (two programs to an SM, as its 255 registers per thread allow). The chunk's rows of q, k [C, K]
 and v [C, V] arrive by TMA from the token tensors (whole chunks: T a multiple of C, no
 token table), with G, the chunk's cumsum of the log-decay, and beta [C]. With
 E_ij = exp(G_i - G_j) and r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without
@@ -17,15 +17,19 @@ normalize_qk):
     q_rows = scale exp(G) r(q),   k_rows = exp(G_C - G) r(k)
 
 r(k) is read off the diagonal of KK (as a row and as a column vector), r(q) from q's rows.
-The inverse merges diagonal blocks of size s = 1, 2, ..., C/2: T_2s = T_s - T_s (N_s T_s),
+The inverse merges diagonal blocks of size s = 1, 2, ..., C/2: T_2s = T_s - T_s N_s T_s,
 N_s the part of A inside the 2s-blocks and outside the s-blocks (``products.
-unit_lower_inverse``), each product on float16 operands: the 10-bit mantissa of the Triton
-kernel's TF32 products, in range because unit rows keep |A| <= max(beta) and the blocks of
-T bounded. w and u are two bf16 products each, of the hi and lo bf16 parts of the float32
-factor (the Triton kernel's ``dots.split``). The left operands of these products (N_s,
-T_s, the parts) are taken from registers; in interpret mode, which takes operands in
+unit_lower_inverse``). With T_s block-diagonal, T_s N_s T_s is T_s A T_s on those entries,
+so the kernel keeps A in shared memory once and masks the product instead of A: two
+products a round, T_s A and (T_s A) T_s, on float16 operands (the 10-bit mantissa of the
+Triton kernel's TF32 products; in range because unit rows keep |A| <= max(beta) and the
+blocks of T bounded, and the entries of T_s A outside the 2s-blocks meet zeros of T_s). w and u are two bf16 products each, of the hi and lo bf16 parts of the float32
+factor (the Triton kernel's ``dots.split``). The left operands of these products (T_s,
+T_s A, the parts) are taken from registers; in interpret mode, which takes operands in
 shared memory only, through tiles of their own. w and u leave through k's and v's tiles.
-G and beta come from ``chunk_gates`` (XLA), decay = exp(G_C) is left to the caller.
+G and beta come from ``chunk_gates`` (XLA), decay = exp(G_C) is left to the caller. exp
+and rsqrt are the approximate instructions (``approx_math``, as Triton's exp): a few float32
+ulps, far below the bf16 outputs' rounding.
 
 Shapes: q, k [B, T, HV, K], v [B, T, HV, V] bf16; G, beta [NT, B, HV, C] float32. Out: w
 [NT, B, HV, C, K], u [NT, B, HV, C, V], attn (and inv) [NT, B, HV, C, C] bf16; q_rows,
@@ -47,6 +51,9 @@ from jaxcp.vma import unify, vary_like
 
 CHUNK = 64                      # C: one wgmma row block
 MAX_WIDTH = 256                 # K, V: a wgmma's widest N
+# Shared memory for the sums over rows (the column vectors): 8 KiB takes all eight register
+# columns of a [64, 64] float32 tile in one exchange between the warps (2 KiB: four)
+REDUCTION_SCRATCH_BYTES = 8192
 
 
 def refusal(q, k, v, layout: ChunkLayout, chunk_size: int, normalize_qk: bool,
@@ -117,7 +124,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
 
     def kernel(q_g, k_g, v_g, G_g, beta_g, w_g, u_g, attn_g, q_rows_g, k_rows_g, *rest):
         inv_g = rest[0] if with_inverse else None
-        (q_s, k_s, v_s, G_s, beta_s, q_rows_s, k_rows_s, t_s, y_s, cc_s, arrived,
+        (q_s, k_s, v_s, G_s, beta_s, q_rows_s, k_rows_s, t_s, a_s, cc_s, arrived,
          *a_tiles) = rest[with_inverse:]
         c, b, hv = lax.axis_index("c"), lax.axis_index("b"), lax.axis_index("hv")
         rows = pl.ds(c * C, C)
@@ -182,17 +189,17 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         a = jnp.where(i > j, kk * decays, 0.0) * as_rows(beta_row)
         block = i ^ j
         inv = jnp.where(i == j, 1.0, 0.0) - jnp.where(block < 2, a, 0.0)
+        # T_2s = T_s - (T_s A T_s) on the 2s-blocks outside the s-blocks: A in shared memory
+        # once, T_s and T_s A from registers, T_s through shared memory
+        a_s[...] = a.astype(f16)
         s = 2
         while s < C:
-            # T_2s = T_s - T_s (N_s T_s): N_s and T_s from registers, the right factors
-            # through shared memory
             t = inv.astype(f16)
             t_s[...] = t
             plgpu.commit_smem()
-            n = jnp.where((block >= s) & (block < 2 * s), a, 0.0).astype(f16)
-            y_s[...] = products([(left_operand(n, 0), t_s)], (C, C)).astype(f16)
-            plgpu.commit_smem()
-            inv = inv - products([(left_operand(t, 1), y_s)], (C, C))
+            ta = products([(left_operand(t, 0), a_s)], (C, C)).astype(f16)
+            tat = products([(left_operand(ta, 1), t_s)], (C, C))
+            inv = inv - jnp.where((block >= s) & (block < 2 * s), tat, 0.0)
             s *= 2
         inv = inv.astype(bf16).astype(f32)
         if with_inverse:
@@ -233,6 +240,8 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
                       + ([operand_smem((C, C), dtype) for dtype in (f16, f16, bf16, bf16)]
                          if interpret else []),
         grid=(NT, B, HV), grid_names=("c", "b", "hv"),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     outs = vary_like(call(*args), args[0])
     w, u, attn, q_rows, k_rows = outs[:5]
