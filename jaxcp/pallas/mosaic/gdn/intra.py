@@ -3,11 +3,12 @@ kernel ``jaxcp.pallas.triton.gdn.intra.intra_chunk``, with its outputs (the row-
 ``ChunkTerms``) and its roundings.
 
 One program per (chunk c, batch row b, value head hv), one warpgroup, 86 KiB of shared
-memory at K = V = 128 (two programs to an SM, as its 255 registers per thread allow). The chunk's rows of q, k [C, K]
-and v [C, V] arrive by TMA from the token tensors (whole chunks: T a multiple of C, no
-token table), with G, the chunk's cumsum of the log-decay, and beta [C]. With
-E_ij = exp(G_i - G_j) and r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without
-normalize_qk):
+memory at K = V = 128 (two programs to an SM, as its 255 registers per thread allow). The
+chunk's rows of q, k [C, K] and v [C, V] arrive by TMA from the token tensors (whole chunks:
+T a multiple of C, no token table: a TMA copy into a tiled operand tile needs its first row
+a multiple of the 8-row tile, which a chunk of packed sequences does not start at), with G,
+the chunk's cumsum of the log-decay, and beta [C]. With E_ij = exp(G_i - G_j) and
+r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without normalize_qk):
 
     KK = k k^T,  QK = q k^T                              (bf16 wgmma, float32)
     A    = strict_lower(beta_i r(k)_i r(k)_j KK_ij E_ij)
@@ -23,13 +24,14 @@ unit_lower_inverse``). With T_s block-diagonal, T_s N_s T_s is T_s A T_s on thos
 so the kernel keeps A in shared memory once and masks the product instead of A: two
 products a round, T_s A and (T_s A) T_s, on float16 operands (the 10-bit mantissa of the
 Triton kernel's TF32 products; in range because unit rows keep |A| <= max(beta) and the
-blocks of T bounded, and the entries of T_s A outside the 2s-blocks meet zeros of T_s). w and u are two bf16 products each, of the hi and lo bf16 parts of the float32
-factor (the Triton kernel's ``dots.split``). The left operands of these products (T_s,
-T_s A, the parts) are taken from registers; in interpret mode, which takes operands in
-shared memory only, through tiles of their own. w and u leave through k's and v's tiles.
-G and beta come from ``chunk_gates`` (XLA), decay = exp(G_C) is left to the caller. exp
-and rsqrt are the approximate instructions (``approx_math``, as Triton's exp): a few float32
-ulps, far below the bf16 outputs' rounding.
+blocks of T bounded, and the entries of T_s A outside the 2s-blocks meet zeros of T_s).
+w and u are two bf16 products each, of the hi and lo bf16 parts of the float32 factor (the
+Triton kernel's ``dots.split``). The left operands of these products (T_s, T_s A, the
+parts) are taken from registers; in interpret mode, which takes operands in shared memory
+only, through tiles of their own. w and u leave through k's and v's tiles. G and beta come
+from ``chunk_gates`` (XLA), decay = exp(G_C) is left to the caller. exp and rsqrt are the
+approximate instructions (``approx_math``, as Triton's exp): a few float32 ulps, far below
+the bf16 outputs' rounding.
 
 Shapes: q, k [B, T, HV, K], v [B, T, HV, V] bf16; G, beta [NT, B, HV, C] float32. Out: w
 [NT, B, HV, C, K], u [NT, B, HV, C, V], attn (and inv) [NT, B, HV, C, C] bf16; q_rows,
