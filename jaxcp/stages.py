@@ -215,11 +215,10 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
     (``gdn.intra.takes``: whole chunks of 64, K, V multiples of 64 up to 256, unit q, k
     rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within shared memory), the
-    Triton kernels elsewhere. Inside
-    shard_map (CP, or any sharded call) the Triton kernels run too: there the op's
-    gradients with the Mosaic kernels disagreed with one device's on 2 H200s (its output
-    agreed), for a reason not yet found. bf16 inputs only: the Mosaic kernels' products
-    take bf16 operands."""
+    Triton kernels elsewhere. Inside shard_map (CP, or any sharded call) the Triton kernels
+    run too: there the op's gradients with the Mosaic kernels disagreed with one device's on
+    2 H200s (its output agreed), for a reason not yet found. bf16 inputs only: the Mosaic
+    kernels' products take bf16 operands."""
     from jaxcp.pallas.mosaic.common import state as mosaic_state
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
     if opts.dot_dtype != "bfloat16":
