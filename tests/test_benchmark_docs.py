@@ -127,3 +127,22 @@ def test_bench_flag_errors(tool, flags, capsys):
         importlib.import_module(f"benchmarks.bench.{tool}").main(flags)
     assert e.value.code == 2
     assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_kernel_bench_child_hands_its_records_back_in_a_file(tmp_path, monkeypatch, capsys):
+    """The PyTorch child's records reach the parent through the file it is given, whatever
+    the libraries it runs print on stdout."""
+    import json
+    from benchmarks.bench import kernels
+    record = dict(op="gdn", impl="fla", T=64, H=1, K=64, V=64, ms=1.0)
+
+    def run_torch(impls, op, configs, iters, gate_in_kernel):
+        print("a library's message on stdout")
+        return [dict(record, impl=impl) for impl in impls]
+
+    monkeypatch.setattr(kernels, "run_torch", run_torch)
+    path = tmp_path / "records.json"
+    assert kernels.main(["--torch-child", str(path), "--impls", "fla,flashqla",
+                         "--configs", "64:1:64"]) == 0
+    assert json.loads(path.read_text()) == [record, dict(record, impl="flashqla")]
+    assert "a library's message" in capsys.readouterr().out

@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from benchmarks.records import saver
 from jaxcp.cli import OneLineParser
@@ -326,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gate-in-kernel", action="store_true",
                     help="KDA: both sides compute the gate from the raw g in the op "
                          "(use_gate_in_kernel, safe_gate, lower_bound -5)")
-    ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_threads < 1:
         ap.error("--compile-threads must be positive")
@@ -347,21 +348,29 @@ def main(argv=None) -> int:
     if args.op != "gdn" and gdn_only:
         ap.error(f"--impls: {', '.join(gdn_only)}: GDN only (--op gdn)")
     if args.torch_child:
-        json.dump(run_torch(torch_impls, args.op, configs, args.iters, args.gate_in_kernel),
-                  sys.stdout)
+        with open(args.torch_child, "w") as f:
+            json.dump(run_torch(torch_impls, args.op, configs, args.iters, args.gate_in_kernel),
+                      f)
         return 0
     records = []
     fla_version = "not run"
     if torch_impls:
-        # a child process, so that torch has the GPU to itself before JAX starts
-        child = subprocess.run([sys.executable, "-m", __spec__.name, "--torch-child",
-                                "--op", args.op, "--iters", str(args.iters),
-                                "--impls", ",".join(torch_impls),
-                                "--configs", ",".join(":".join(map(str, c)) for c in configs)]
-                               + (["--gate-in-kernel"] if args.gate_in_kernel else []),
-                               stdout=subprocess.PIPE, text=True)
-        if child.returncode == 0:
-            torch_records = json.loads(child.stdout)
+        # a child process, so that torch has the GPU to itself before JAX starts; its records
+        # come back in a file, its stdout being free for the libraries' own messages
+        with tempfile.TemporaryDirectory() as folder:
+            records_path = os.path.join(folder, "torch_records.json")
+            child = subprocess.run([sys.executable, "-m", __spec__.name,
+                                    "--torch-child", records_path,
+                                    "--op", args.op, "--iters", str(args.iters),
+                                    "--impls", ",".join(torch_impls),
+                                    "--configs",
+                                    ",".join(":".join(map(str, c)) for c in configs)]
+                                   + (["--gate-in-kernel"] if args.gate_in_kernel else []))
+            torch_records = None
+            if child.returncode == 0:
+                with open(records_path) as f:
+                    torch_records = json.load(f)
+        if torch_records is not None:
             records += torch_records
             fla_version = next((r["fla"] for r in torch_records if r.get("fla")), fla_version)
         else:
