@@ -137,8 +137,9 @@ _DOC = """{title}
         permutes a batch into it (``jaxcp.cp.split``).
       chunk_size: tokens per chunk, one of (16, 32, 64, 128).
       backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode),
-        "mosaic" (GDN, bf16 inputs: the "pallas" kernels with the forward state recurrences
-        on Mosaic GPU where the chunks are whole; ``jaxcp.stages``) or None: "pallas" on a
+        "mosaic" (GDN, bf16 inputs: the "pallas" kernels with the forward's intra-chunk
+        terms on Mosaic GPU, and its state recurrences where the chunks are whole;
+        ``jaxcp.stages``) or None: "pallas" on a
         GPU, "xla" elsewhere.
       segments: run each sequence (under CP, each of the device's pieces) as this many
         segments in parallel on the device, joined by the same merge as CP's devices: more

@@ -49,7 +49,6 @@ import jax.numpy as jnp
 
 from jaxcp import xla
 from jaxcp.gate import Gate
-from jaxcp.vma import inside_shard_map
 
 BACKENDS = ("xla", "pallas", "interpret", "mosaic")
 
@@ -213,12 +212,10 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     """GDN's Pallas stages with the intra-chunk terms (intra), the forward state recurrence
     fused with the output (state_output) and the backward's state pass again (state_fwd) as
     Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
-    (``gdn.intra.takes``: whole chunks of 64, K, V multiples of 64 up to 256, unit q, k
-    rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within shared memory), the
-    Triton kernels elsewhere. Inside shard_map (CP, or any sharded call) the Triton kernels
-    run too: there the op's gradients with the Mosaic kernels disagreed with one device's on
-    2 H200s (its output agreed), for a reason not yet found. bf16 inputs only: the Mosaic
-    kernels' products take bf16 operands."""
+    (``gdn.intra.takes``: chunks of 64, K, V multiples of 64 up to 256, or up to 128 by a
+    token table, unit q, k rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within
+    shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
+    inputs only: the Mosaic kernels' products take bf16 operands."""
     from jaxcp.pallas.mosaic.common import state as mosaic_state
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
     if opts.dot_dtype != "bfloat16":
@@ -228,13 +225,11 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     triton = _pallas_gdn_stages(opts)
 
     def mosaic_runs(terms, layout, init, h0, with_output: bool) -> bool:
-        return not inside_shard_map() and mosaic_state.takes(terms, layout, init, h0,
-                                                             with_output=with_output)
+        return mosaic_state.takes(terms, layout, init, h0, with_output=with_output)
 
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         kw = dict(normalize_qk=opts.normalize_qk, unit_qk=opts.unit_qk)
-        if not inside_shard_map() and mosaic_intra.takes(q, k, v, layout, opts.chunk_size,
-                                                         **kw):
+        if mosaic_intra.takes(q, k, v, layout, opts.chunk_size, **kw):
             return mosaic_intra.intra_chunk(q, k, v, g, beta, scale, layout,
                                             opts.chunk_size, with_inverse=with_inverse, **kw)
         return triton.intra(q, k, v, g, beta, scale, layout, with_inverse)

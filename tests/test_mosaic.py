@@ -237,9 +237,9 @@ def test_mosaic_stages_agree_with_the_triton_ones_on_gdn_terms():
     assert not mosaic_state.takes(terms, packed, init, h0, with_output=True)
 
 
-def test_mosaic_stages_leave_shard_map_bodies_to_triton(monkeypatch):
-    """The "mosaic" backend runs the Mosaic kernels outside shard_map and the Triton ones
-    inside it (``stages._mosaic_gdn_stages``); traced only (eval_shape), on the CPU."""
+def test_mosaic_stages_run_the_mosaic_kernels_inside_shard_map_too(monkeypatch):
+    """The "mosaic" backend runs the Mosaic kernels inside shard_map (CP) as outside it
+    (``stages._mosaic_gdn_stages``); traced only (eval_shape), on the CPU."""
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxcp.gate import Gate
     from jaxcp.layout import build_layout
@@ -261,20 +261,22 @@ def test_mosaic_stages_leave_shard_map_bodies_to_triton(monkeypatch):
     mesh = Mesh(jax.devices()[:2], ("seq",))
     jax.eval_shape(jax.shard_map(lambda h: run(h[0])[None], mesh=mesh, in_specs=P("seq"),
                                  out_specs=P("seq")), jnp.stack([h0, h0]))
-    assert ran == ["mosaic"]
+    assert ran == ["mosaic", "mosaic"]
 
 
-def intra_inputs(NT=2, HV=2, K=128, V=128, correlated=False, gates=None):
-    """bf16 token tensors of NT whole chunks of 64 (one batch row) and their layout; the
-    keys shared by a head plus 10 % noise with 10x weaker decays (correlated), or every
-    log-decay at `gates`."""
+def intra_inputs(NT=2, HV=2, K=128, V=128, correlated=False, gates=None, T=None,
+                 cu_seqlens=None):
+    """bf16 token tensors of NT whole chunks of 64 (one batch row), or of T tokens, packed
+    sequences at cu_seqlens, and their layout; the keys shared by a head plus 10 % noise
+    with 10x weaker decays (correlated), or every log-decay at `gates`."""
     from helpers import make_inputs
     from jaxcp.layout import build_layout
-    T = NT * 64
+    T = T or NT * 64
     q, k, v, g, beta, _ = make_inputs("gdn", 1, T, HV, HV, K, V, correlated_keys=correlated)
     if gates is not None:
         g = jnp.full_like(g, gates)
-    layout, _ = build_layout(1, T, 64, None, 0, T)
+    cu = None if cu_seqlens is None else jnp.array(cu_seqlens, jnp.int32)
+    layout, _ = build_layout(1, T, 64, cu, 0, T)
     bf16 = lambda x: x.astype(jnp.bfloat16)
     return (bf16(q), bf16(k), bf16(v), g, beta), layout
 
@@ -325,6 +327,23 @@ def test_intra_interpret_equals_the_triton_kernel(correlated):
     assert rel_error(got.w, exact.w) < 1e-2 and rel_error(got.u, exact.u) < 1e-2
 
 
+@pytest.mark.parametrize("T, cu_seqlens", [(128, (0, 1, 70, 128)), (96, None)])
+def test_intra_interpret_reads_chunks_by_the_token_table(T, cu_seqlens):
+    """Packed sequences (a 1-token one among them) and T not a multiple of 64: the kernel
+    reads each chunk from its first token through the staging tile and gives the Triton
+    kernel's terms, zero past each chunk's tokens."""
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
+    args, layout = intra_inputs(T=T, cu_seqlens=cu_seqlens)
+    assert layout.token_start is not None
+    got = jax.jit(lambda *a: mosaic_intra.intra_chunk(
+        *a, 0.1, layout, 64, normalize_qk=True, with_inverse=True, interpret=True))(*args)
+    assert_intra_terms_close(got, jax.jit(lambda *a: triton_intra(a, layout, 0.1))(*args))
+    past_tokens = jnp.arange(64)[:, None] >= layout.token_count[:, :, None, None, None]
+    past = lambda x: jnp.where(past_tokens, x, jnp.zeros((), x.dtype))
+    chex.assert_trees_all_equal((past(got.w), past(got.u)),
+                                (jnp.zeros_like(got.w), jnp.zeros_like(got.u)))
+
+
 def test_intra_interpret_stays_finite_for_very_negative_gates():
     """Log-decays of -1e3 (every E_ij, j < i, underflows to zero; exp(G) of q's rows too):
     the tiles are finite and equal the Triton kernel's, the row factors the float64 ones
@@ -347,15 +366,16 @@ def test_intra_interpret_stays_finite_for_very_negative_gates():
                              rows_want)
 
 
-@pytest.mark.parametrize("K, V, with_inverse, normalize_qk", [
-    (128, 128, True, True), (128, 128, False, False), (64, 128, False, True),
-    (256, 256, True, False)])
-def test_intra_lowers_for_cuda(K, V, with_inverse, normalize_qk):
+@pytest.mark.parametrize("K, V, with_inverse, normalize_qk, packed", [
+    (128, 128, True, True, False), (128, 128, False, False, False),
+    (64, 128, False, True, False), (256, 256, True, False, False),
+    (128, 128, False, True, True), (64, 128, True, True, True)])
+def test_intra_lowers_for_cuda(K, V, with_inverse, normalize_qk, packed):
     """The kernel, its left operands from registers, lowers to a Mosaic GPU custom call for
-    CUDA from this CPU machine, at K = 64 to 256, with and without the kept inverse and the
-    in-kernel norm."""
+    CUDA from this CPU machine, at K = 64 to 256, with and without the kept inverse, the
+    in-kernel norm and a token table (packed sequences)."""
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
-    args, layout = intra_inputs(K=K, V=V)
+    args, layout = intra_inputs(K=K, V=V, cu_seqlens=(0, 1, 70, 128) if packed else None)
     assert mosaic_intra.takes(*args[:3], layout, 64, normalize_qk=normalize_qk, unit_qk=True)
     fn = jax.jit(lambda *a: mosaic_intra.intra_chunk(
         *a, 0.1, layout, 64, normalize_qk=normalize_qk, unit_qk=True,
@@ -371,8 +391,11 @@ def test_intra_refuses_what_it_does_not_take():
         *a, 0.1, layout, chunk_size, normalize_qk=normalize_qk)
     with pytest.raises(ValueError, match="chunk_size 64"):
         run(q, k, v, g, beta, chunk_size=32)
-    packed, _ = build_layout(1, 128, 64, jnp.array([0, 70, 128], jnp.int32), 0, 128)
-    with pytest.raises(ValueError, match="token table"):
+    short, _ = build_layout(1, 32, 64, None, 0, 32)
+    with pytest.raises(ValueError, match="T must be at least 64"):
+        run(q[:, :32], k[:, :32], v[:, :32], g[:, :32], beta[:, :32], layout=short)
+    (q, k, v, g, beta), packed = intra_inputs(K=256, V=256, cu_seqlens=(0, 1, 70, 128))
+    with pytest.raises(ValueError, match="token table .* up to 128"):
         run(q, k, v, g, beta, layout=packed)
     with pytest.raises(ValueError, match="unit q, k rows"):
         run(q, k, v, g, beta, normalize_qk=False)
@@ -384,14 +407,17 @@ def test_intra_refuses_what_it_does_not_take():
         run(q, k, v[:, :64], g, beta)
 
 
-def test_mosaic_stages_run_the_intra_kernel_on_whole_chunks():
+@pytest.mark.parametrize("cu_seqlens, kernel", [
+    (None, "mosaic_gdn_intra_chunk"), ((0, 1, 70, 128), "mosaic_gdn_intra_chunk_table")])
+def test_mosaic_stages_run_the_intra_kernel(cu_seqlens, kernel):
     """The "mosaic" backend's intra stage is the Mosaic kernel where it takes the inputs
-    (whole chunks, q, k normalised in it): the stage lowers for CUDA to that kernel."""
+    (q, k normalised in it; whole chunks or packed sequences): the stage lowers for CUDA to
+    that kernel."""
     from jaxcp.gate import Gate
     from jaxcp.stages import StageOptions, stages_for
     stages = stages_for(StageOptions("mosaic", Gate.SCALAR, "bfloat16", normalize_qk=True,
                                      chunk_size=64))
-    (q, k, v, g, beta), layout = intra_inputs()
+    (q, k, v, g, beta), layout = intra_inputs(cu_seqlens=cu_seqlens)
     fn = jax.jit(lambda *a: stages.intra(*a, 0.1, layout, with_inverse=True))
     text = export.export(fn, platforms=["cuda"])(q, k, v, g, beta).mlir_module()
-    assert "mosaic_gdn_intra_chunk" in text
+    assert kernel in text

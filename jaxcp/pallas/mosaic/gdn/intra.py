@@ -3,12 +3,16 @@ kernel ``jaxcp.pallas.triton.gdn.intra.intra_chunk``, with its outputs (the row-
 ``ChunkTerms``) and its roundings.
 
 One program per (chunk c, batch row b, value head hv), one warpgroup, 86 KiB of shared
-memory at K = V = 128 (two programs to an SM, as its 255 registers per thread allow). The
-chunk's rows of q, k [C, K] and v [C, V] arrive by TMA from the token tensors (whole chunks:
-T a multiple of C, no token table: a TMA copy into a tiled operand tile needs its first row
-a multiple of the 8-row tile, which a chunk of packed sequences does not start at), with G,
-the chunk's cumsum of the log-decay, and beta [C]. With E_ij = exp(G_i - G_j) and
-r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without normalize_qk):
+memory at K = V = 128 (two programs to an SM, as its 229 registers per thread allow). The
+chunk's rows of q, k [C, K] and v [C, V] arrive by TMA from the token tensors, with G, the
+chunk's cumsum of the log-decay, and beta [C]. Where the layout has a token table (packed
+sequences, or T not a multiple of C) a chunk starts at any row, and a TMA copy into a tiled
+operand tile needs its first row a multiple of the 8-row tile: there q, k and v come
+through an untiled staging tile (one [C, K] for the three where K = V: 16 KiB more at
+K = V = 128) and registers into their tiles, v's copy running while the chunk computes, and the row scales r below are zero past
+the chunk's tokens (the rows that follow, which the products then leave out). With
+E_ij = exp(G_i - G_j) and r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without
+normalize_qk):
 
     KK = k k^T,  QK = q k^T                              (bf16 wgmma, float32)
     A    = strict_lower(beta_i r(k)_i r(k)_j KK_ij E_ij)
@@ -35,7 +39,8 @@ the bf16 outputs' rounding.
 
 Shapes: q, k [B, T, HV, K], v [B, T, HV, V] bf16; G, beta [NT, B, HV, C] float32. Out: w
 [NT, B, HV, C, K], u [NT, B, HV, C, V], attn (and inv) [NT, B, HV, C, C] bf16; q_rows,
-k_rows [NT, B, HV, C] float32. C = 64; K, V multiples of 64 up to 256.
+k_rows [NT, B, HV, C] float32; with a token table its token_start, token_count [NT, B]
+int32. C = 64, T at least C; K, V multiples of 64 up to 256 (128 with a token table).
 """
 from __future__ import annotations
 
@@ -53,6 +58,9 @@ from jaxcp.vma import unify, vary_like
 
 CHUNK = 64                      # C: one wgmma row block
 MAX_WIDTH = 256                 # K, V: a wgmma's widest N
+# K, V through the staging tile (token table): at 256 the kernel takes Mosaic GPU minutes
+# to compile
+TABLE_MAX_WIDTH = 128
 # Shared memory for the sums over rows (the column vectors): 8 KiB takes all eight register
 # columns of a [64, 64] float32 tile in one exchange between the warps (2 KiB: four)
 REDUCTION_SCRATCH_BYTES = 8192
@@ -66,10 +74,6 @@ def refusal(q, k, v, layout: ChunkLayout, chunk_size: int, normalize_qk: bool,
     if chunk_size != CHUNK:
         return ValueError(f"the Mosaic intra kernel takes chunk_size {CHUNK}, got "
                           f"{chunk_size}")
-    if layout.token_start is not None:
-        return ValueError("the Mosaic intra kernel reads whole chunks: a layout with a token "
-                          "table (packed sequences, or T not a multiple of 64) is not "
-                          "supported")
     if not (normalize_qk or unit_qk):
         return ValueError("the Mosaic intra kernel inverts on float16 operands, in range "
                           "for unit q, k rows only: normalise q, k (use_qk_l2norm)")
@@ -82,7 +86,14 @@ def refusal(q, k, v, layout: ChunkLayout, chunk_size: int, normalize_qk: bool,
         if n % 64 or n > MAX_WIDTH:
             return ValueError(f"the Mosaic intra kernel needs {name} a multiple of 64 up to "
                               f"{MAX_WIDTH}, got {n}")
-    if T != layout.chunk_starts.shape[0] * CHUNK:
+    if layout.token_start is not None and max(K, V) > TABLE_MAX_WIDTH:
+        return ValueError(f"the Mosaic intra kernel reads chunks by a token table (packed "
+                          f"sequences, or T not a multiple of {CHUNK}) at K, V up to "
+                          f"{TABLE_MAX_WIDTH}, got K = {K}, V = {V}")
+    if T < CHUNK:
+        return ValueError(f"the Mosaic intra kernel reads chunks of {CHUNK} rows: T must be "
+                          f"at least {CHUNK}, got {T}")
+    if layout.token_start is None and T != layout.chunk_starts.shape[0] * CHUNK:
         return ValueError(f"T = {T} is not the layout's {layout.chunk_starts.shape[0]} "
                           f"chunks of {CHUNK} rows")
     dtypes = {x.dtype for x in (q, k, v)}
@@ -99,11 +110,29 @@ def takes(q, k, v, layout: ChunkLayout, chunk_size: int, *, normalize_qk: bool,
     return refusal(q, k, v, layout, chunk_size, normalize_qk, unit_qk) is None
 
 
-def chunk_gates(g: jax.Array, beta: jax.Array, NT: int) -> tuple[jax.Array, jax.Array]:
+def chunk_gates(g: jax.Array, beta: jax.Array, layout: ChunkLayout
+                ) -> tuple[jax.Array, jax.Array]:
     """G (each chunk's cumsum of the log-decay g) and beta, token-major [B, T, HV] (g may
-    have a trailing 1), as the kernel reads them: [NT, B, HV, C] float32."""
-    chunks = lambda x: to_chunks(x.reshape(beta.shape).astype(jnp.float32), None, NT, CHUNK)
-    return jnp.cumsum(chunks(g), axis=-1), chunks(beta)
+    have a trailing 1), as the kernel reads them: [NT, B, HV, C] float32, zero past each
+    chunk's tokens (g = beta = 0 there: G stays at the last token's)."""
+    NT = layout.chunk_starts.shape[0]
+    as_f32 = lambda x: x.reshape(beta.shape).astype(jnp.float32)
+    if layout.token_start is None:
+        chunks = lambda x: to_chunks(x, None, NT, CHUNK)
+    else:
+        chunks = lambda x: _rows_by_table(x, layout)
+    return jnp.cumsum(chunks(as_f32(g)), axis=-1), chunks(as_f32(beta))
+
+
+def _rows_by_table(x: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """[B, T, HV] -> [NT, B, HV, C]: chunk c's row i is token token_start + i for
+    i < token_count, else zero."""
+    B, T = x.shape[:2]
+    i = jnp.arange(CHUNK)
+    tokens = jnp.minimum(layout.token_start[..., None] + i, T - 1)          # [NT, B, C]
+    rows = x[jnp.arange(B)[None, :, None], tokens]                          # [NT, B, C, HV]
+    real = (i < layout.token_count[..., None])[..., None]
+    return jnp.moveaxis(jnp.where(real, rows, jnp.zeros((), x.dtype)), 3, 2)
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int, *,
@@ -120,20 +149,39 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     V = v.shape[-1]
     C, NT = CHUNK, layout.chunk_starts.shape[0]
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
-    G, beta_c = chunk_gates(g, beta, NT)
+    G, beta_c = chunk_gates(g, beta, layout)
+    table = layout.token_start is not None
     acc_layout = plgpu.Layout.WGMMA
     row_layout = acc_layout.reduce(1)
 
-    def kernel(q_g, k_g, v_g, G_g, beta_g, w_g, u_g, attn_g, q_rows_g, k_rows_g, *rest):
+    def kernel(q_g, k_g, v_g, G_g, beta_g, *refs):
+        start_g, count_g = refs[:2] if table else (None, None)
+        w_g, u_g, attn_g, q_rows_g, k_rows_g, *rest = refs[2 * table:]
         inv_g = rest[0] if with_inverse else None
         (q_s, k_s, v_s, G_s, beta_s, q_rows_s, k_rows_s, t_s, a_s, cc_s, arrived,
-         *a_tiles) = rest[with_inverse:]
+         *rest) = rest[with_inverse:]
+        staged = staging_k = staging_v = None
+        if table:
+            staged, staging_k, *rest = rest
+            staging_v = rest.pop(0) if K != V else staging_k
+        a_tiles = rest
         c, b, hv = lax.axis_index("c"), lax.axis_index("b"), lax.axis_index("hv")
-        rows = pl.ds(c * C, C)
-        for src, dst in ((q_g.at[b, rows, hv], q_s), (k_g.at[b, rows, hv], k_s),
-                         (v_g.at[b, rows, hv], v_s), (G_g.at[c, b, hv], G_s),
-                         (beta_g.at[c, b, hv], beta_s)):
-            plgpu.copy_gmem_to_smem(src, dst, arrived)
+        if not table:
+            rows = pl.ds(c * C, C)
+            for src, dst in ((q_g.at[b, rows, hv], q_s), (k_g.at[b, rows, hv], k_s),
+                             (v_g.at[b, rows, hv], v_s), (G_g.at[c, b, hv], G_s),
+                             (beta_g.at[c, b, hv], beta_s)):
+                plgpu.copy_gmem_to_smem(src, dst, arrived)
+        else:
+            rows = pl.ds(plgpu.load(start_g.at[c, b]), C)
+            for src, dst in ((G_g.at[c, b, hv], G_s), (beta_g.at[c, b, hv], beta_s)):
+                plgpu.copy_gmem_to_smem(src, dst, arrived)
+            for n, (src, dst) in enumerate(((q_g, q_s), (k_g, k_s))):
+                plgpu.copy_gmem_to_smem(src.at[b, rows, hv], staging_k, staged.at[n])
+                plgpu.barrier_wait(staged.at[n])
+                dst[...] = plgpu.load(staging_k, layout=acc_layout)
+                plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv], staging_v, staged.at[2])
         plgpu.barrier_wait(arrived)
 
         iota = lambda axis: plgpu.layout_cast(
@@ -175,11 +223,16 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
             rk_col = lax.rsqrt(jnp.sum(diag, axis=0) + L2NORM_EPS)
             q32 = plgpu.load(q_s, layout=acc_layout).astype(f32)
             rq_row = lax.rsqrt(jnp.sum(q32 * q32, axis=1) + L2NORM_EPS)
-            kk = kk * as_rows(rk_row) * as_cols(rk_col)
-            qk = qk * as_rows(rq_row) * as_cols(rk_col)
         else:
             rk_row = rq_row = jnp.ones_like(G_row)
             rk_col = jnp.ones_like(G_col)
+        if table:
+            tokens = jnp.where((i == j) & (i < plgpu.load(count_g.at[c, b])), 1.0, 0.0)
+            rk_row, rq_row = (x * jnp.sum(tokens, axis=1) for x in (rk_row, rq_row))
+            rk_col = rk_col * jnp.sum(tokens, axis=0)
+        if normalize_qk or table:
+            kk = kk * as_rows(rk_row) * as_cols(rk_col)
+            qk = qk * as_rows(rq_row) * as_cols(rk_col)
         # E_ij for j <= i, zero above the diagonal
         decays = jnp.exp(jnp.where(i >= j, as_rows(G_row) - as_cols(G_col), -jnp.inf))
 
@@ -221,10 +274,16 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
 
         # w leaves through k's tile, u through v's: their products are the last to read them
         times_split(inv * as_cols(beta_col * jnp.exp(G_col) * rk_col), k_s, w_g.at[c, b, hv])
+        if table:
+            plgpu.barrier_wait(staged.at[2])
+            v_s[...] = plgpu.load(staging_v, layout=acc_layout)
+            plgpu.commit_smem()
         times_split(inv * as_cols(beta_col), v_s, u_g.at[c, b, hv])
         plgpu.wait_smem_to_gmem(0)
 
-    args, manual_axes = unify([q, k, v, G, beta_c])
+    table_args = [layout.token_start.astype(jnp.int32),
+                  layout.token_count.astype(jnp.int32)] if table else []
+    args, manual_axes = unify([q, k, v, G, beta_c] + table_args)
     struct = lambda shape, dtype: jax.ShapeDtypeStruct((NT, B, HV) + shape, dtype,
                                                        manual_axis_type=manual_axes)
     out_type = [struct((C, K), bf16), struct((C, V), bf16), struct((C, C), bf16),
@@ -232,13 +291,16 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     if with_inverse:
         out_type.append(struct((C, C), bf16))
     vector = plgpu.SMEM((C,), f32)
-    kernel.__name__ = "mosaic_gdn_intra_chunk"
+    kernel.__name__ = "mosaic_gdn_intra_chunk" + ("_table" if table else "")
     call = plgpu.kernel(
         kernel, out_type=tuple(out_type),
         scratch_types=[operand_smem((C, K), bf16), operand_smem((C, K), bf16),
                        operand_smem((C, V), bf16), vector, vector, vector, vector,
                        operand_smem((C, C), f16), operand_smem((C, C), f16),
-                       operand_smem((C, C), bf16), plgpu.Barrier(num_arrivals=5)]
+                       operand_smem((C, C), bf16),
+                       plgpu.Barrier(num_arrivals=2 if table else 5)]
+                      + ([plgpu.Barrier(num_arrivals=1, num_barriers=3), plgpu.SMEM((C, K), bf16)]
+                         + ([plgpu.SMEM((C, V), bf16)] if K != V else []) if table else [])
                       + ([operand_smem((C, C), dtype) for dtype in (f16, f16, bf16, bf16)]
                          if interpret else []),
         grid=(NT, B, HV), grid_names=("c", "b", "hv"),
