@@ -61,13 +61,26 @@ def test_kernel_page_shows_peak_memory_when_recorded():
                                               for r in records])
 
 
-def test_kernel_page_says_when_the_gate_is_computed_in_the_op():
+def test_kernel_page_says_when_the_gate_is_computed_in_the_op_or_sequences_are_packed():
     from benchmarks.bench import kernels
     row = dict(op="kda", T=8, H=2, K=16, V=16, device="H100", ms=1.0, **{"pass": "fwd"})
     records = [dict(row, impl="jaxcp-pallas"), dict(row, impl="fla")]
     assert "use_gate_in_kernel" not in kernels.markdown(records)
+    assert "packed" not in kernels.markdown(records)
     gated = [dict(r, gate_in_kernel=True) for r in records]
     assert "gate computed in the op" in kernels.markdown(gated)
+    packed = [dict(r, **kernels.Setting(packed=True).fields(8)) for r in records]
+    assert "ten packed sequences" in kernels.markdown(packed)
+
+
+def test_kernel_bench_setting_is_what_its_records_and_flags_say():
+    from benchmarks.bench import cp, kernels
+    assert kernels.Setting().fields(32768) == {} and kernels.Setting().flags() == []
+    assert kernels.Setting().cu_seqlens(32768) is None
+    packed = kernels.Setting(gate_in_kernel=True, packed=True)
+    assert packed.cu_seqlens(32768) == cp.VARLEN
+    assert packed.fields(32768) == {"gate_in_kernel": True, "cu_seqlens": cp.VARLEN}
+    assert packed.flags() == ["--gate-in-kernel", "--packed"]
 
 
 def test_kernel_page_sets_jaxcp_against_flashqla_where_it_ran():
@@ -136,13 +149,14 @@ def test_kernel_bench_child_hands_its_records_back_in_a_file(tmp_path, monkeypat
     from benchmarks.bench import kernels
     record = dict(op="gdn", impl="fla", T=64, H=1, K=64, V=64, ms=1.0)
 
-    def run_torch(impls, op, configs, iters, gate_in_kernel):
+    def run_torch(impls, op, configs, iters, setting):
         print("a library's message on stdout")
+        assert setting == kernels.Setting(packed=True)
         return [dict(record, impl=impl) for impl in impls]
 
     monkeypatch.setattr(kernels, "run_torch", run_torch)
     path = tmp_path / "records.json"
     assert kernels.main(["--torch-child", str(path), "--impls", "fla,flashqla",
-                         "--configs", "64:1:64"]) == 0
+                         "--configs", "64:1:64", "--packed"]) == 0
     assert json.loads(path.read_text()) == [record, dict(record, impl="flashqla")]
     assert "a library's message" in capsys.readouterr().out

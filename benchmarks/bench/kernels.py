@@ -5,10 +5,13 @@ L2-normalised q/k.
     python -m benchmarks.bench.kernels --op kda --json docs/benchmarks/kernels_kda.json
     python -m benchmarks.bench.kernels --report docs/benchmarks/kernels.json   # kernels.md, .png
     python -m benchmarks.bench.kernels --op kda --gate-in-kernel --json kda_gate.json
+    python -m benchmarks.bench.kernels --packed --impls jaxcp-pallas,jaxcp-mosaic,fla --json packed.json
 
 --gate-in-kernel (KDA): both sides take g as the raw gate and compute the decay in the op
-(use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``GATE_IN_KERNEL``);
-its records carry gate_in_kernel, and belong in a file of their own.
+(use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``GATE_IN_KERNEL``).
+--packed: both sides take each shape's T tokens as the CP benchmark's ten packed sequences
+(``benchmarks.bench.cp.layouts``, cu_seqlens scaled to T). Either flag's records carry it
+(``Setting``), and belong in a file of their own.
 
 The PyTorch implementations run in a child process of the same run on the same GPU, before
 JAX takes the device: FLA (flash-linear-attention, Triton; impl "fla") and, for GDN, FlashQLA
@@ -37,6 +40,7 @@ and gradients live.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,6 +59,31 @@ TORCH_IMPLS = ("fla", "flashqla", "flashqla-nocp")
 # KDA's gate computed in the op (--gate-in-kernel), on both sides: the raw gate is the
 # benchmark's g, A_log and dt_bias are zeros
 GATE_IN_KERNEL = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What every call of a run shares beyond its shape: KDA's gate computed in the op
+    (``GATE_IN_KERNEL``) and the tokens as ten packed sequences rather than one."""
+    gate_in_kernel: bool = False
+    packed: bool = False
+
+    def cu_seqlens(self, T: int) -> list[int] | None:
+        """The packed sequences' offsets in T tokens, or None (one sequence)."""
+        if not self.packed:
+            return None
+        from benchmarks.bench import cp
+        return cp.layouts(T, ["packed"])[0]
+
+    def fields(self, T: int) -> dict:
+        """What a record of this setting carries beyond a default run's fields."""
+        return ({"gate_in_kernel": True} if self.gate_in_kernel else {}) | (
+            {"cu_seqlens": self.cu_seqlens(T)} if self.packed else {})
+
+    def flags(self) -> list[str]:
+        """This setting's command-line flags."""
+        return ((["--gate-in-kernel"] if self.gate_in_kernel else [])
+                + (["--packed"] if self.packed else []))
 
 
 def jaxcp_op(name: str):
@@ -112,7 +141,7 @@ def _without_grad(fwd):
     return call
 
 
-def run_torch(impls, op: str, configs, iters: int, gate_in_kernel: bool = False) -> list[dict]:
+def run_torch(impls, op: str, configs, iters: int, setting: Setting = Setting()) -> list[dict]:
     """Time the torch implementations (``TORCH_IMPLS``) on each shape and pass; one that
     cannot be imported, or a shape one refuses, is reported on stderr and left out."""
     os.environ["FLA_FLASH_QLA"] = "0"     # "fla": FLA's own kernels, not its FlashQLA backend
@@ -130,16 +159,20 @@ def run_torch(impls, op: str, configs, iters: int, gate_in_kernel: bool = False)
             continue
         for T, H, D in configs:
             q, k, v, g, beta = fla.inputs(op, T, H, D)
-            gate = {}
-            if gate_in_kernel:
+            op_kwargs = {}
+            if setting.gate_in_kernel:
                 zeros = lambda n: torch.zeros(n, device="cuda")
-                gate = dict(GATE_IN_KERNEL, A_log=zeros(H), dt_bias=zeros(H * D))
+                op_kwargs = dict(GATE_IN_KERNEL, A_log=zeros(H), dt_bias=zeros(H * D))
+            if setting.packed:
+                op_kwargs["cu_seqlens"] = torch.tensor(setting.cu_seqlens(T), device="cuda",
+                                                       dtype=torch.long)
             # two ways to normalise q, k: torch before the op or the op's fused kernel;
             # the implementation is credited with the faster of the two
             fwds = {"torch": lambda: impl_op(F.normalize(q, p=2, dim=-1),
-                                             F.normalize(k, p=2, dim=-1), v, g, beta, **gate)[0],
+                                             F.normalize(k, p=2, dim=-1), v, g, beta,
+                                             **op_kwargs)[0],
                     "in-kernel": lambda: impl_op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                                 **gate)[0]}
+                                                 **op_kwargs)[0]}
             try:
                 do = torch.randn_like(fwds["torch"]())
             except Exception as e:   # a shape the implementation does not take
@@ -157,19 +190,15 @@ def run_torch(impls, op: str, configs, iters: int, gate_in_kernel: bool = False)
                                 peak_bytes=fla.peak_bytes(calls[passes](fwds[how])),
                                 fla_l2norm=how, device=torch.cuda.get_device_name(),
                                 **{"fla" if impl == "fla" else "flashqla": version},
-                                **_gate_field(gate_in_kernel)))
+                                **setting.fields(T)))
                 print(f"{impl} T={T} H={H} D={D} {passes}: " + ", ".join(
                     f"l2norm {h} {t:.3f} ms" for h, t in times.items()),
                     file=sys.stderr, flush=True)
     return out
 
 
-def _gate_field(gate_in_kernel: bool) -> dict:
-    return {"gate_in_kernel": True} if gate_in_kernel else {}
-
-
 def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda: None,
-              compile_threads: int = 8, gate_in_kernel: bool = False) -> list[dict]:
+              compile_threads: int = 8, setting: Setting = Setting()) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from benchmarks.timing import forward_backward, time_side_by_side
@@ -179,14 +208,16 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
     for T, H, D in configs:
         q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
         op_fn = jaxcp_op(op)
-        gate = {}
-        if gate_in_kernel:
-            gate = dict(GATE_IN_KERNEL, A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * D))
+        op_kwargs = {}
+        if setting.gate_in_kernel:
+            op_kwargs = dict(GATE_IN_KERNEL, A_log=jnp.zeros(H), dt_bias=jnp.zeros(H * D))
+        if setting.packed:
+            op_kwargs["cu_seqlens"] = jnp.asarray(setting.cu_seqlens(T), jnp.int32)
         jobs = []     # (impl, pass, jitted function)
         for impl in impls:
             backend = impl.removeprefix("jaxcp-")
             call = lambda q, k, v, g, beta, backend=backend: op_fn(
-                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend, **gate)[0]
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend=backend, **op_kwargs)[0]
             jobs += [(impl, "fwd", jax.jit(call)),
                      (impl, "fwd+bwd", jax.jit(forward_backward(call, range(5), do)))]
         xs = (q, k, v, g, beta)
@@ -198,7 +229,7 @@ def run_jaxcp(op: str, configs, impls, iters: int, fla_version: str, done=lambda
                 continue
             out.append(dict(op=op, impl=impl, T=T, H=H, K=D, V=D, **{"pass": passes},
                             ms=timed.ms, peak_bytes=timed.peak_bytes, device=device,
-                            jax=jax.__version__, fla=fla_version, **_gate_field(gate_in_kernel)))
+                            jax=jax.__version__, fla=fla_version, **setting.fields(T)))
             print(f"{impl} T={T} H={H} D={D} {passes}: {timed.ms:.3f} ms", flush=True)
             done(out)
     return out
@@ -223,12 +254,16 @@ def floor_ms(op: str, T: int, H: int, D: int, passes: str, device: str) -> float
     return 1e3 * max(bytes_ / bw, flops / peak)
 
 
-def gate_in_kernel_text(records: list[dict]) -> str:
-    """How the records' gate was computed, for the page's setting line."""
-    if not any(r.get("gate_in_kernel") for r in records):
-        return ""
-    return (" KDA's gate computed in the op from the raw g (use_gate_in_kernel, safe_gate, "
-            "lower_bound = -5, A_log = dt_bias = 0).")
+def setting_text(records: list[dict]) -> str:
+    """The records' ``Setting`` where it is not the default, for the page's setting line."""
+    text = ""
+    if any(r.get("gate_in_kernel") for r in records):
+        text += (" KDA's gate computed in the op from the raw g (use_gate_in_kernel, "
+                 "safe_gate, lower_bound = -5, A_log = dt_bias = 0).")
+    if any(r.get("cu_seqlens") for r in records):
+        text += (" Each shape's T tokens as ten packed sequences (cu_seqlens: the CP "
+                 "benchmark's set scaled to T).")
+    return text
 
 
 def op_of(records: list[dict]) -> str:
@@ -285,7 +320,7 @@ def markdown(records: list[dict]) -> str:
                                         + ": the allocator's peak over one call"
                                         if against else "") + ")"
                                      if with_peaks else "")
-             + "." + gate_in_kernel_text(records), "",
+             + "." + setting_text(records), "",
              "| T | H | K=V | pass | " + " | ".join(names) + " | "
              + "".join(f"{short[n]} / {short[a]} | " for n, a in ratios) + "floor |"
              + (" peak GiB " + " / ".join(names) + " |" if with_peaks else ""),
@@ -327,6 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gate-in-kernel", action="store_true",
                     help="KDA: both sides compute the gate from the raw g in the op "
                          "(use_gate_in_kernel, safe_gate, lower_bound -5)")
+    ap.add_argument("--packed", action="store_true",
+                    help="each shape's T tokens as ten packed sequences (cu_seqlens; the CP "
+                         "benchmark's set scaled to T)")
     ap.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_threads < 1:
@@ -347,10 +385,10 @@ def main(argv=None) -> int:
     gdn_only = [i for i in impls if i.startswith("flashqla") or i == "jaxcp-mosaic"]
     if args.op != "gdn" and gdn_only:
         ap.error(f"--impls: {', '.join(gdn_only)}: GDN only (--op gdn)")
+    setting = Setting(gate_in_kernel=args.gate_in_kernel, packed=args.packed)
     if args.torch_child:
         with open(args.torch_child, "w") as f:
-            json.dump(run_torch(torch_impls, args.op, configs, args.iters, args.gate_in_kernel),
-                      f)
+            json.dump(run_torch(torch_impls, args.op, configs, args.iters, setting), f)
         return 0
     records = []
     fla_version = "not run"
@@ -365,7 +403,7 @@ def main(argv=None) -> int:
                                     "--impls", ",".join(torch_impls),
                                     "--configs",
                                     ",".join(":".join(map(str, c)) for c in configs)]
-                                   + (["--gate-in-kernel"] if args.gate_in_kernel else []))
+                                   + setting.flags())
             torch_records = None
             if child.returncode == 0:
                 with open(records_path) as f:
@@ -380,8 +418,7 @@ def main(argv=None) -> int:
     save = saver(args.json, records)
     save()
     records += run_jaxcp(args.op, configs, [i for i in impls if i not in TORCH_IMPLS],
-                         args.iters, fla_version, save, args.compile_threads,
-                         args.gate_in_kernel)
+                         args.iters, fla_version, save, args.compile_threads, setting)
     save()
     print(f"{'impl':13} {'T':>6} {'H':>3} {'D':>4} {'pass':8} {'ms':>9}")
     for r in records:
