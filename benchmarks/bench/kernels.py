@@ -5,7 +5,7 @@ L2-normalised q/k.
     python -m benchmarks.bench.kernels --op kda --json docs/benchmarks/kernels_kda.json
     python -m benchmarks.bench.kernels --report docs/benchmarks/kernels.json   # kernels.md, .png
     python -m benchmarks.bench.kernels --op kda --gate-in-kernel --json kda_gate.json
-    python -m benchmarks.bench.kernels --packed --impls jaxcp-pallas,jaxcp-mosaic,fla --json packed.json
+    python -m benchmarks.bench.kernels --packed --impls jaxcp-mosaic,fla --json packed.json
 
 --gate-in-kernel (KDA): both sides take g as the raw gate and compute the decay in the op
 (use_gate_in_kernel, safe_gate, lower_bound = -5, A_log = dt_bias = 0: ``GATE_IN_KERNEL``).

@@ -9,10 +9,10 @@ chunk's cumsum of the log-decay, and beta [C]. Where the layout has a token tabl
 sequences, or T not a multiple of C) a chunk starts at any row, and a TMA copy into a tiled
 operand tile needs its first row a multiple of the 8-row tile: there q, k and v come
 through an untiled staging tile (one [C, K] for the three where K = V: 16 KiB more at
-K = V = 128) and registers into their tiles, v's copy running while the chunk computes, and the row scales r below are zero past
-the chunk's tokens (the rows that follow, which the products then leave out). With
-E_ij = exp(G_i - G_j) and r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without
-normalize_qk):
+K = V = 128) and registers into their tiles, v's copy running while the chunk computes;
+the row scales r below are then zero past the chunk's tokens, so the rows that follow (the
+next sequence's, or zeros past T) add nothing. With E_ij = exp(G_i - G_j) and
+r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without normalize_qk):
 
     KK = k k^T,  QK = q k^T                              (bf16 wgmma, float32)
     A    = strict_lower(beta_i r(k)_i r(k)_j KK_ij E_ij)
@@ -291,6 +291,9 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     if with_inverse:
         out_type.append(struct((C, C), bf16))
     vector = plgpu.SMEM((C,), f32)
+    # by a token table: a barrier for each of q, k, v's copies and their staging tiles
+    table_scratch = ([plgpu.Barrier(num_arrivals=1, num_barriers=3), plgpu.SMEM((C, K), bf16)]
+                     + ([plgpu.SMEM((C, V), bf16)] if K != V else [])) if table else []
     kernel.__name__ = "mosaic_gdn_intra_chunk" + ("_table" if table else "")
     call = plgpu.kernel(
         kernel, out_type=tuple(out_type),
@@ -298,9 +301,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
                        operand_smem((C, V), bf16), vector, vector, vector, vector,
                        operand_smem((C, C), f16), operand_smem((C, C), f16),
                        operand_smem((C, C), bf16),
-                       plgpu.Barrier(num_arrivals=2 if table else 5)]
-                      + ([plgpu.Barrier(num_arrivals=1, num_barriers=3), plgpu.SMEM((C, K), bf16)]
-                         + ([plgpu.SMEM((C, V), bf16)] if K != V else []) if table else [])
+                       plgpu.Barrier(num_arrivals=2 if table else 5)] + table_scratch
                       + ([operand_smem((C, C), dtype) for dtype in (f16, f16, bf16, bf16)]
                          if interpret else []),
         grid=(NT, B, HV), grid_names=("c", "b", "hv"),
