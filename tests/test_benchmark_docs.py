@@ -160,3 +160,17 @@ def test_kernel_bench_child_hands_its_records_back_in_a_file(tmp_path, monkeypat
                          "--configs", "64:1:64", "--packed"]) == 0
     assert json.loads(path.read_text()) == [record, dict(record, impl="flashqla")]
     assert "a library's message" in capsys.readouterr().out
+
+
+def test_kernel_bench_times_packed_sequences_on_cpu(tmp_path):
+    """--packed end to end on the CPU (the jnp backend): each record carries the packed
+    sequences' offsets, and the page says so."""
+    import json
+    from benchmarks.bench import cp, kernels
+    path = tmp_path / "packed.json"
+    assert kernels.main(["--impls", "jaxcp-xla", "--packed", "--configs", "128:1:64",
+                         "--iters", "1", "--compile-threads", "1", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["pass"] for r in records] == ["fwd", "fwd+bwd"]
+    assert all(r["cu_seqlens"] == cp.layouts(128, ["packed"])[0] for r in records)
+    assert "ten packed sequences" in kernels.markdown(records)
