@@ -58,8 +58,9 @@ from jaxcp.vma import unify, vary_like
 
 CHUNK = 64                      # C: one wgmma row block
 MAX_WIDTH = 256                 # K, V: a wgmma's widest N
-# K, V through the staging tile (token table): at 256 the kernel takes Mosaic GPU minutes
-# to compile
+# K, V through the staging tile (token table): at 256 Mosaic GPU's layout inference searches
+# the staging tile's load plans for minutes (with optimized=False, element by element, it
+# lowers at once: not yet timed)
 TABLE_MAX_WIDTH = 128
 # Shared memory for the sums over rows (the column vectors): 8 KiB takes all eight register
 # columns of a [64, 64] float32 tile in one exchange between the warps (2 KiB: four)
