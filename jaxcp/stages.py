@@ -224,9 +224,6 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
                          f"products: use backend='pallas'")
     triton = _pallas_gdn_stages(opts)
 
-    def mosaic_runs(terms, layout, init, h0, with_output: bool) -> bool:
-        return mosaic_state.takes(terms, layout, init, h0, with_output=with_output)
-
     def intra(q, k, v, g, beta, scale, layout, with_inverse=False):
         kw = dict(normalize_qk=opts.normalize_qk, unit_qk=opts.unit_qk)
         if mosaic_intra.takes(q, k, v, layout, opts.chunk_size, **kw):
@@ -235,12 +232,12 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
         return triton.intra(q, k, v, g, beta, scale, layout, with_inverse)
 
     def state_output(terms, layout, init, h0, with_finals):
-        if mosaic_runs(terms, layout, init, h0, with_output=True):
+        if mosaic_state.takes(terms, layout, init, h0, with_output=True):
             return mosaic_state.state_output(terms, layout, init, h0, with_finals)
         return triton.state_output(terms, layout, init, h0, with_finals)
 
     def state_fwd(terms, layout, init, h0):
-        if mosaic_runs(terms, layout, init, h0, with_output=False):
+        if mosaic_state.takes(terms, layout, init, h0, with_output=False):
             return mosaic_state.state_fwd(terms, layout, init, h0)
         return triton.state_fwd(terms, layout, init, h0)
 
