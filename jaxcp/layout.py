@@ -182,3 +182,16 @@ def from_chunks(y: jax.Array, token_map: TokenMap | None, t_local: int) -> jax.A
     if token_map is None:
         return y[:, :t_local]
     return _gather_to_tokens(y, token_map)
+
+
+def chunks_by_table(x: jax.Array, layout: ChunkLayout, chunk_size: int) -> jax.Array:
+    """[B, T_local, HV, *tail] -> [NT, B, HV, C, *tail] from the layout alone (a token table
+    and no TokenMap, as the kernels that read chunks in place have): row i of chunk c is
+    token token_start + i for i < token_count, zero past."""
+    B, T = x.shape[:2]
+    i = jnp.arange(chunk_size)
+    tokens = jnp.minimum(layout.token_start[..., None] + i, T - 1)           # [NT, B, C]
+    rows = x[jnp.arange(B)[None, :, None], tokens]                           # [NT, B, C, HV, ...]
+    real = (i < layout.token_count[..., None]).reshape(tokens.shape + (1,) * (x.ndim - 2))
+    return jnp.moveaxis(jnp.where(real, rows, jnp.zeros((), x.dtype)), 3, 2)
+

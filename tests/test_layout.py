@@ -1,8 +1,10 @@
 """The chunk layout's per-chunk fields."""
+import chex
+import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxcp.layout import build_layout, num_chunks
+from jaxcp.layout import build_layout, chunks_by_table, num_chunks, to_chunks
 
 
 @pytest.mark.parametrize("cu", [None, [0, 3, 100]])
@@ -75,3 +77,15 @@ def test_token_table_places_every_token_once(device, cu):
             owner = np.searchsorted(np.asarray(cu)[1:], device * T + mine, side="right")
             assert len(set(owner)) <= 1
     assert build_layout(2, 64, C, None, 0, 64)[0].token_start is None
+
+
+def test_chunks_by_table_reads_what_to_chunks_gathers():
+    """The chunks of packed sequences (a 1-token one among them) from the layout's token
+    table alone equal ``to_chunks`` by the token map, zero past each chunk's tokens."""
+    T = 150
+    layout, token_map = build_layout(1, T, 64, jnp.array([0, 1, 70, T], jnp.int32), 0, T)
+    x = jax.random.normal(jax.random.key(0), (1, T, 2, 3))
+    NT = layout.chunk_starts.shape[0]
+    got = chunks_by_table(x, layout, 64)
+    chex.assert_shape(got, (NT, 1, 2, 64, 3))
+    chex.assert_trees_all_equal(got, to_chunks(x, token_map, NT, 64))

@@ -344,6 +344,24 @@ def test_intra_interpret_reads_chunks_by_the_token_table(T, cu_seqlens):
                                 (jnp.zeros_like(got.w), jnp.zeros_like(got.u)))
 
 
+def test_a_nan_in_one_packed_sequence_reaches_no_other_intra_chunk():
+    """A NaN in q, k and v of one token of the last of three packed sequences: the intra
+    kernel (interpreted) gives the other sequences' chunks exactly the terms it gives
+    without it, though the 64 rows it reads for the second sequence's last chunk take in
+    the NaN's token (``tiles.unstage`` zeroes them)."""
+    from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
+    (q, k, v, g, beta), layout = intra_inputs(T=128, cu_seqlens=(0, 1, 70, 128))
+    assert layout.token_start[2, 0] == 65 and layout.token_count[2, 0] == 5
+    run = jax.jit(lambda q, k, v: mosaic_intra.intra_chunk(
+        q, k, v, g, beta, 0.1, layout, 64, normalize_qk=True, with_inverse=True,
+        interpret=True))
+    poison = lambda x: x.at[:, 100].set(jnp.nan)
+    clean, poisoned = run(q, k, v), run(poison(q), poison(k), poison(v))
+    others = lambda t: (t.w[:3], t.u[:3], t.attn[:3], t.inv[:3], t.q_rows[:3], t.k_rows[:3])
+    chex.assert_tree_all_finite(others(poisoned))
+    chex.assert_trees_all_equal(others(poisoned), others(clean))
+
+
 def test_intra_interpret_stays_finite_for_very_negative_gates():
     """Log-decays of -1e3 (every E_ij, j < i, underflows to zero; exp(G) of q's rows too):
     the tiles are finite and equal the Triton kernel's, the row factors the float64 ones

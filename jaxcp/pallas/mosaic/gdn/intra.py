@@ -8,10 +8,11 @@ chunk's rows of q, k [C, K] and v [C, V] arrive by TMA from the token tensors, w
 chunk's cumsum of the log-decay, and beta [C]. Where the layout has a token table (packed
 sequences, or T not a multiple of C) a chunk starts at any row, and a TMA copy into a tiled
 operand tile needs its first row a multiple of the 8-row tile: there q, k and v come
-through an untiled staging tile (one [C, K] for the three where K = V: 16 KiB more at
-K = V = 128) and registers into their tiles, v's copy running while the chunk computes;
-the row scales r below are then zero past the chunk's tokens, so the rows that follow (the
-next sequence's, or zeros past T) add nothing. With E_ij = exp(G_i - G_j) and
+through a staging tile (one [C, K] for the three where K = V: 16 KiB more at
+K = V = 128) and registers into their tiles (``tiles.unstage``: zero past the chunk's
+tokens, so nothing of the next sequence, a NaN included, reaches the chunk), v's copy
+running while the chunk computes; the row scales r below are zero there too. With
+E_ij = exp(G_i - G_j) and
 r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without normalize_qk):
 
     KK = k k^T,  QK = q k^T                              (bf16 wgmma, float32)
@@ -51,17 +52,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.l2norm import L2NORM_EPS
-from jaxcp.layout import ChunkLayout, to_chunks
-from jaxcp.pallas.mosaic.common.tiles import operand_smem, products
+from jaxcp.layout import ChunkLayout, chunks_by_table, to_chunks
+from jaxcp.pallas.mosaic.common.tiles import (TABLE_MAX_WIDTH, operand_smem, products,
+                                               staging_smem, unstage)
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import unify, vary_like
 
 CHUNK = 64                      # C: one wgmma row block
 MAX_WIDTH = 256                 # K, V: a wgmma's widest N
-# K, V through the staging tile (token table): at 256 Mosaic GPU's layout inference searches
-# the staging tile's load plans for minutes (with optimized=False, element by element, it
-# lowers at once: not yet timed)
-TABLE_MAX_WIDTH = 128
 # Shared memory for the sums over rows (the column vectors): 8 KiB takes all eight register
 # columns of a [64, 64] float32 tile in one exchange between the warps (2 KiB: four)
 REDUCTION_SCRATCH_BYTES = 8192
@@ -121,19 +119,8 @@ def chunk_gates(g: jax.Array, beta: jax.Array, layout: ChunkLayout
     if layout.token_start is None:
         chunks = lambda x: to_chunks(x, None, NT, CHUNK)
     else:
-        chunks = lambda x: _rows_by_table(x, layout)
+        chunks = lambda x: chunks_by_table(x, layout, CHUNK)
     return jnp.cumsum(chunks(as_f32(g)), axis=-1), chunks(as_f32(beta))
-
-
-def _rows_by_table(x: jax.Array, layout: ChunkLayout) -> jax.Array:
-    """[B, T, HV] -> [NT, B, HV, C]: chunk c's row i is token token_start + i for
-    i < token_count, else zero."""
-    B, T = x.shape[:2]
-    i = jnp.arange(CHUNK)
-    tokens = jnp.minimum(layout.token_start[..., None] + i, T - 1)          # [NT, B, C]
-    rows = x[jnp.arange(B)[None, :, None], tokens]                          # [NT, B, C, HV]
-    real = (i < layout.token_count[..., None])[..., None]
-    return jnp.moveaxis(jnp.where(real, rows, jnp.zeros((), x.dtype)), 3, 2)
 
 
 def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size: int, *,
@@ -180,7 +167,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
             for n, (src, dst) in enumerate(((q_g, q_s), (k_g, k_s))):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, hv], staging_k, staged.at[n])
                 plgpu.barrier_wait(staged.at[n])
-                dst[...] = plgpu.load(staging_k, layout=acc_layout)
+                unstage(staging_k, dst, plgpu.load(count_g.at[c, b]))
                 plgpu.commit_smem()
             plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv], staging_v, staged.at[2])
         plgpu.barrier_wait(arrived)
@@ -277,7 +264,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         times_split(inv * as_cols(beta_col * jnp.exp(G_col) * rk_col), k_s, w_g.at[c, b, hv])
         if table:
             plgpu.barrier_wait(staged.at[2])
-            v_s[...] = plgpu.load(staging_v, layout=acc_layout)
+            unstage(staging_v, v_s, plgpu.load(count_g.at[c, b]))
             plgpu.commit_smem()
         times_split(inv * as_cols(beta_col), v_s, u_g.at[c, b, hv])
         plgpu.wait_smem_to_gmem(0)
@@ -293,8 +280,8 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         out_type.append(struct((C, C), bf16))
     vector = plgpu.SMEM((C,), f32)
     # by a token table: a barrier for each of q, k, v's copies and their staging tiles
-    table_scratch = ([plgpu.Barrier(num_arrivals=1, num_barriers=3), plgpu.SMEM((C, K), bf16)]
-                     + ([plgpu.SMEM((C, V), bf16)] if K != V else [])) if table else []
+    table_scratch = ([plgpu.Barrier(num_arrivals=1, num_barriers=3), staging_smem((C, K), bf16)]
+                     + ([staging_smem((C, V), bf16)] if K != V else [])) if table else []
     kernel.__name__ = "mosaic_gdn_intra_chunk" + ("_table" if table else "")
     call = plgpu.kernel(
         kernel, out_type=tuple(out_type),
