@@ -8,9 +8,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLE_BYTES = 128
 SMEM_BYTES = 227 * 1024         # shared memory a Hopper block may opt in to
-# The widest rows (K, V) read through a staging tile (``unstage``): at 256 Mosaic
-# GPU's layout inference searches the staging tile's load plans for minutes (with
-# optimized=False, element by element, it lowers at once: not yet timed)
+# The widest rows (K, V) read through a staging tile (``unstage``): at 256 Mosaic GPU's
+# layout inference searches the staging tile's load plans for minutes, untiled or in
+# swizzled 1-row tiles (with optimized=False, element by element, an untiled one lowers at
+# once: not yet timed)
 TABLE_MAX_WIDTH = 128
 
 
