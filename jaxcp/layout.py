@@ -194,4 +194,3 @@ def chunks_by_table(x: jax.Array, layout: ChunkLayout, chunk_size: int) -> jax.A
     rows = x[jnp.arange(B)[None, :, None], tokens]                           # [NT, B, C, HV, ...]
     real = (i < layout.token_count[..., None]).reshape(tokens.shape + (1,) * (x.ndim - 2))
     return jnp.moveaxis(jnp.where(real, rows, jnp.zeros((), x.dtype)), 3, 2)
-

@@ -23,12 +23,11 @@ def operand_smem(shape: tuple[int, ...], dtype, swizzle: int = SWIZZLE_BYTES) ->
 
 
 def staging_smem(shape: tuple[int, ...], dtype, swizzle: int = SWIZZLE_BYTES) -> plgpu.SMEM:
-    """A tile that TMA fills or empties at any first row (a chunk read or written by a token
-    table): 1-row tiles of swizzle bytes, swizzled, so that the WGMMA-layout loads and
-    stores that move it to or from the operand tiles (``unstage``) meet no bank conflicts
-    (untiled, the rows of a [C, 128] bf16 tile are 256 bytes apart and eight of a warp's
-    rows fall on the same banks). Rows of shape[-1] dtype elements, a multiple of swizzle
-    bytes."""
+    """A tile that TMA fills at any first row (a chunk read by a token table): 1-row tiles
+    of swizzle bytes, swizzled, so that the WGMMA-layout load that moves it into an operand
+    tile (``unstage``) reads it through the swizzle (untiled, the rows of a [C, 128] bf16
+    tile are 256 bytes apart and eight of a warp's rows fall on the same banks). Rows of
+    shape[-1] dtype elements, a multiple of swizzle bytes."""
     transforms = (plgpu.TilingTransform((1, swizzle // jnp.dtype(dtype).itemsize)),
                   plgpu.SwizzleTransform(swizzle))
     return plgpu.SMEM(shape, dtype, transforms=transforms)

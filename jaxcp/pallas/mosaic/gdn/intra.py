@@ -162,12 +162,13 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
                 plgpu.copy_gmem_to_smem(src, dst, arrived)
         else:
             rows = pl.ds(plgpu.load(start_g.at[c, b]), C)
+            count = plgpu.load(count_g.at[c, b])
             for src, dst in ((G_g.at[c, b, hv], G_s), (beta_g.at[c, b, hv], beta_s)):
                 plgpu.copy_gmem_to_smem(src, dst, arrived)
             for n, (src, dst) in enumerate(((q_g, q_s), (k_g, k_s))):
                 plgpu.copy_gmem_to_smem(src.at[b, rows, hv], staging_k, staged.at[n])
                 plgpu.barrier_wait(staged.at[n])
-                unstage(staging_k, dst, plgpu.load(count_g.at[c, b]))
+                unstage(staging_k, dst, count)
                 plgpu.commit_smem()
             plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv], staging_v, staged.at[2])
         plgpu.barrier_wait(arrived)
@@ -215,10 +216,11 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
             rk_row = rq_row = jnp.ones_like(G_row)
             rk_col = jnp.ones_like(G_col)
         if table:
-            tokens = jnp.where((i == j) & (i < plgpu.load(count_g.at[c, b])), 1.0, 0.0)
+            # the row factors past the chunk's tokens (q, k's rows there are zero already)
+            tokens = jnp.where((i == j) & (i < count), 1.0, 0.0)
             rk_row, rq_row = (x * jnp.sum(tokens, axis=1) for x in (rk_row, rq_row))
             rk_col = rk_col * jnp.sum(tokens, axis=0)
-        if normalize_qk or table:
+        if normalize_qk:
             kk = kk * as_rows(rk_row) * as_cols(rk_col)
             qk = qk * as_rows(rq_row) * as_cols(rk_col)
         # E_ij for j <= i, zero above the diagonal
@@ -264,7 +266,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         times_split(inv * as_cols(beta_col * jnp.exp(G_col) * rk_col), k_s, w_g.at[c, b, hv])
         if table:
             plgpu.barrier_wait(staged.at[2])
-            unstage(staging_v, v_s, plgpu.load(count_g.at[c, b]))
+            unstage(staging_v, v_s, count)
             plgpu.commit_smem()
         times_split(inv * as_cols(beta_col), v_s, u_g.at[c, b, hv])
         plgpu.wait_smem_to_gmem(0)
