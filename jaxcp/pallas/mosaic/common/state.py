@@ -243,13 +243,19 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
             rows = plgpu.load(rows_s.at[slot], layout=row_layout)
             return lax.broadcast_in_dim(rows, x.shape, [0]) * x
 
-        def entering(c, S):
+        def chunk_scalars(c):
+            """Chunk c's (starts, ends, seq, decay); past the last chunk, the last's."""
+            c = jnp.minimum(c, NT - 1)
+            return (plgpu.load(starts_g.at[c, b]), plgpu.load(ends_g.at[c, b]),
+                    plgpu.load(seq_g.at[c, b]), plgpu.load(decay_g.at[c, b, hv]))
+
+        def entering(S, starts, seq):
             if has_init:
-                fresh = lambda: tile(init_g.at[plgpu.load(seq_g.at[c, b]), hv, :, cols])
+                fresh = lambda: tile(init_g.at[seq, hv, :, cols])
             else:
                 fresh = lambda: plgpu.layout_cast(jnp.zeros((K, BV), f32), acc_layout)
             # a sequence start selects the fresh state: what came before never reaches it
-            return lax.cond(plgpu.load(starts_g.at[c, b]) != 0, fresh, lambda: S)
+            return lax.cond(starts != 0, fresh, lambda: S)
 
         def to_smem(tile_s, value, dst=None):
             """value in tile_s's dtype into tile_s, once the stores that read it a chunk
@@ -273,12 +279,15 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
             def _():
                 fetch(c + 1, slot)
 
-        def chunk(c, S):
+        def chunk(c, carry):
+            S, (starts, ends, seq, decay) = carry
+            # chunk c + 1's scalars load while this chunk computes, off the state's chain
+            following = chunk_scalars(c + 1)
             slot = lax.rem(c, slots)
             if slots == 2:
                 fetch_next(c, 1 - slot)
 
-            S = entering(c, S)
+            S = entering(S, starts, seq)
             to_smem(s_s, S, None if with_output else out1_g.at[c, b, hv, :, cols])
             plgpu.barrier_wait(arrived.at[slot])
             u = plgpu.load(u_s.at[slot], layout=acc_layout).astype(f32)
@@ -300,19 +309,19 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
             if slots == 1:
                 # the chunk's products and loads have read the slot
                 fetch_next(c, slot)
-            S = plgpu.load(decay_g.at[c, b, hv]) * S + update
+            S = decay * S + update
             if with_finals:
-                @pl.when(plgpu.load(ends_g.at[c, b]) != 0)
+                @pl.when(ends != 0)
                 def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     last_s[...] = S
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(last_s,
-                                            out2_g.at[plgpu.load(seq_g.at[c, b]), hv, :, cols])
-            return S
+                    plgpu.copy_smem_to_gmem(last_s, out2_g.at[seq, hv, :, cols])
+            return S, following
 
         fetch(0, 0)
-        last = lax.fori_loop(0, NT, chunk, tile(h0_g.at[b, hv, :, cols]))
+        last, _ = lax.fori_loop(0, NT, chunk,
+                                (tile(h0_g.at[b, hv, :, cols]), chunk_scalars(0)))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         last_s[...] = last
         plgpu.commit_smem()
