@@ -21,7 +21,10 @@ once the chunk's products are done (``StateBlocks``, ``CANDIDATE_BLOCKS``). S_c 
 are written to shared memory in the operand dtype (bf16 or f16, as the Triton kernels' bf16
 products) for the wgmma products, which accumulate in float32. The tiles that leave (h_c
 and vn_c from the operand tiles; o_c) go out by TMA, one chunk's stores in flight while the
-next chunk computes. The last state and the finals leave in float32.
+next chunk computes. The last state and the finals leave in float32. A program walks its
+chunks in order, so a chunk's latency is the kernel's time: each chunk's scalars (starts,
+ends, seq, decay) load during the chunk before, carried in the loop, so that the state
+never waits for a global load.
 
 Row-factored terms (``ChunkTerms``, the Pallas GDN intra kernel's: qg = diag(q_rows) q,
 kd = diag(k_rows) k, with q and k the token tensors [B, T, HV, K]) are read as they are: the
