@@ -247,10 +247,12 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
             return lax.broadcast_in_dim(rows, x.shape, [0]) * x
 
         def chunk_scalars(c):
-            """Chunk c's (starts, ends, seq, decay); past the last chunk, the last's."""
+            """Chunk c's (starts, ends, seq, decay), ends and seq where the form reads them
+            (None elsewhere); past the last chunk, the last's."""
             c = jnp.minimum(c, NT - 1)
-            return (plgpu.load(starts_g.at[c, b]), plgpu.load(ends_g.at[c, b]),
-                    plgpu.load(seq_g.at[c, b]), plgpu.load(decay_g.at[c, b, hv]))
+            load_if = lambda used, ref: plgpu.load(ref.at[c, b]) if used else None
+            return (plgpu.load(starts_g.at[c, b]), load_if(with_finals, ends_g),
+                    load_if(has_init or with_finals, seq_g), plgpu.load(decay_g.at[c, b, hv]))
 
         def entering(S, starts, seq):
             if has_init:
