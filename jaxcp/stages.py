@@ -210,13 +210,13 @@ def _pallas_gdn_stages(opts: StageOptions) -> Stages:
 
 def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     """GDN's Pallas stages with the intra-chunk terms (intra), the forward state recurrence
-    fused with the output (state_output) and the backward's state pass again (state_fwd) as
-    Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
+    fused with the output (state_output), the backward's state pass again (state_fwd) and
+    its reverse state pass (state_bwd, but for the CP entry cotangent) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
     (``gdn.intra.takes``: chunks of 64, K, V multiples of 64 up to 256, or up to 128 by a
     token table, unit q, k rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within
     shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
     inputs only: the Mosaic kernels' products take bf16 operands."""
-    from jaxcp.pallas.mosaic.common import state as mosaic_state
+    from jaxcp.pallas.mosaic.common import state as mosaic_state, state_bwd as mosaic_bwd
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
     if opts.dot_dtype != "bfloat16":
         raise ValueError(f"backend='mosaic' takes bfloat16 inputs (its kernels' products "
@@ -241,7 +241,16 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
             return mosaic_state.state_fwd(terms, layout, init, h0)
         return triton.state_fwd(terms, layout, init, h0)
 
-    return triton._replace(intra=intra, state_output=state_output, state_fwd=state_fwd)
+    def state_bwd(terms, layout, do, d_final, d_last, with_d_init=False, entry_only=False,
+                  unused=None):
+        if not entry_only and mosaic_bwd.takes(terms, layout, do, d_last):
+            return mosaic_bwd.state_bwd(terms, layout, do, d_final, d_last,
+                                        with_d_init=with_d_init)
+        return triton.state_bwd(terms, layout, do, d_final, d_last, with_d_init=with_d_init,
+                                entry_only=entry_only, unused=unused)
+
+    return triton._replace(intra=intra, state_output=state_output, state_fwd=state_fwd,
+                           state_bwd=state_bwd)
 
 
 def _pallas_kda_stages(opts: StageOptions) -> Stages:

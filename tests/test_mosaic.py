@@ -232,9 +232,20 @@ def test_mosaic_stages_agree_with_the_triton_ones_on_gdn_terms():
     want = triton.state_fwd(terms, layout, init, h0)
     chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
     assert all(rel_error(a, b) < 1e-2 for a, b in zip(got, want))
+    from jaxcp.pallas.mosaic.common import state_bwd as mosaic_bwd
+    do = bf16(jax.random.normal(jax.random.key(4), v.shape))
+    d_final = jax.random.normal(jax.random.key(5), init.shape)
+    assert mosaic_bwd.takes(terms, layout, do, h0)
+    got = mosaic_bwd.state_bwd(terms, layout, do, d_final, h0, with_d_init=True,
+                               interpret=True)
+    want = triton.state_bwd(terms, layout, do, d_final, h0, with_d_init=True)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_tree_all_finite(got)
+    assert all(rel_error(a, b) < 1e-2 for a, b in zip(got, want))
 
     packed, _ = build_layout(B, T, 64, jnp.array([0, 50, T], jnp.int32), 0, T)
     assert not mosaic_state.takes(terms, packed, init, h0, with_output=True)
+    assert not mosaic_bwd.takes(terms, packed, do, h0)
 
 
 def test_mosaic_stages_run_the_mosaic_kernels_inside_shard_map_too(monkeypatch):
@@ -248,10 +259,14 @@ def test_mosaic_stages_run_the_mosaic_kernels_inside_shard_map_too(monkeypatch):
     terms, _ = row_factored(terms)
     terms = terms._replace(u=terms.u.astype(jnp.bfloat16))
     layout, _ = build_layout(1, terms.kd.shape[1], 64, None, 0, terms.kd.shape[1])
+    from jaxcp.pallas.mosaic.common import state_bwd as mosaic_bwd
     ran = []
     real = mosaic_state.state_output
     monkeypatch.setattr(mosaic_state, "state_output",
                         lambda *a, **kw: ran.append("mosaic") or real(*a, **kw))
+    real_bwd = mosaic_bwd.state_bwd
+    monkeypatch.setattr(mosaic_bwd, "state_bwd",
+                        lambda *a, **kw: ran.append("mosaic bwd") or real_bwd(*a, **kw))
     T = terms.kd.shape[1]
     stages = stages_for(stage_options("mosaic", Gate.SCALAR, jnp.bfloat16, 128, unit_qk=True,
                                       tokens=T))
@@ -262,6 +277,9 @@ def test_mosaic_stages_run_the_mosaic_kernels_inside_shard_map_too(monkeypatch):
     jax.eval_shape(jax.shard_map(lambda h: run(h[0])[None], mesh=mesh, in_specs=P("seq"),
                                  out_specs=P("seq")), jnp.stack([h0, h0]))
     assert ran == ["mosaic", "mosaic"]
+    do = jnp.zeros((1, T, terms.w.shape[2], terms.u.shape[-1]), jnp.bfloat16)
+    jax.eval_shape(lambda h: stages.state_bwd(terms, layout, do, None, h), h0)
+    assert ran[-1] == "mosaic bwd"
 
 
 def intra_inputs(NT=2, HV=2, K=128, V=128, correlated=False, gates=None, T=None,
@@ -439,3 +457,63 @@ def test_mosaic_stages_run_the_intra_kernel(cu_seqlens, kernel):
     fn = jax.jit(lambda *a: stages.intra(*a, 0.1, layout, with_inverse=True))
     text = export.export(fn, platforms=["cuda"])(q, k, v, g, beta).mlir_module()
     assert kernel in text
+
+
+def bwd_problem(with_final: bool):
+    """Row-factored terms of ``chunk_problem``, a bf16 token-major do, d_final (or None) and
+    d_last, and the plain float32 terms and chunk-layout do they stand for."""
+    terms, layout, init, _ = chunk_problem()
+    factored, plain = row_factored(terms)
+    NT, B, HV, C, _ = terms.w.shape
+    V = terms.u.shape[-1]
+    keys = jax.random.split(jax.random.key(3), 3)
+    do = (0.1 * jax.random.normal(keys[0], (B, NT * C, HV, V))).astype(jnp.bfloat16)
+    d_final = jax.random.normal(keys[1], init.shape) if with_final else None
+    d_last = jax.random.normal(keys[2], (B, HV, init.shape[2], V))
+    return factored, plain, layout, do, d_final, d_last
+
+
+@pytest.mark.parametrize("with_final, with_d_init, blocks",
+                         [(True, True, None), (False, False, None), (True, True, (32, 1))])
+def test_state_bwd_interpret_equals_the_triton_kernel(with_final, with_d_init, blocks):
+    """The Mosaic reverse state kernel gives the Triton kernel's X and dvn (bf16) to one bf16
+    rounding step and its d_entry and d_init within ``LIMIT_REFERENCE`` (float32
+    accumulation orders), and all four are within the bf16 limit of ``xla.state.state_bwd``
+    on the plain float32 terms. Also with one ring slot of 32 columns."""
+    from jaxcp.gate import Gate
+    from jaxcp.pallas.mosaic.common import state_bwd as mosaic_bwd
+    from jaxcp.pallas.triton.common import state as triton_state
+    from jaxcp.pallas.triton.common.products import KernelPrecision
+    factored, plain, layout, do, d_final, d_last = bwd_problem(with_final)
+    blocks = blocks and mosaic_state.StateBlocks(*blocks)
+    got = jax.jit(lambda t, do, f, d: mosaic_bwd.state_bwd(
+        t, layout, do, f, d, with_d_init=with_d_init, blocks=blocks, interpret=True))(
+        factored, do, d_final, d_last)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    want = jax.jit(lambda t, do, f, d: triton_state.state_bwd(
+        t, layout, do, f, d, gate=Gate.SCALAR, with_d_init=with_d_init, token_major=True,
+        interpret=True, precision=KernelPrecision(dot_dtype=bf16, tile_dtype=bf16)))(
+        factored, do, d_final, d_last)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_tree_all_finite(got)
+    one_step = 2.0 ** -8
+    chex.assert_trees_all_close(got[2:], want[2:], rtol=one_step, atol=one_step)
+    assert rel_error(got[0], want[0]) < LIMIT_REFERENCE["last"]
+    if with_d_init:
+        assert rel_error(got[1], want[1]) < LIMIT_REFERENCE["last"]
+    NT, C = plain.w.shape[0], plain.w.shape[-2]
+    exact = xla_state.state_bwd(plain, layout, to_chunks(do.astype(jnp.float32), None, NT, C),
+                                d_final, d_last, with_d_init=with_d_init)
+    pairs = [(got[0], exact[0]), (got[2], exact[2]), (got[3], exact[3])]
+    pairs += [(got[1], exact[1])] if with_d_init else []
+    assert all(rel_error(a, b) < 1e-2 for a, b in pairs)
+
+
+@pytest.mark.parametrize("blocks", [(64, 2), (32, 1)])
+def test_state_bwd_lowers_for_cuda(blocks):
+    from jaxcp.pallas.mosaic.common import state_bwd as mosaic_bwd
+    factored, _, layout, do, d_final, d_last = bwd_problem(True)
+    fn = jax.jit(lambda t, do, f, d: mosaic_bwd.state_bwd(
+        t, layout, do, f, d, with_d_init=True, blocks=mosaic_state.StateBlocks(*blocks)))
+    text = export.export(fn, platforms=["cuda"])(factored, do, d_final, d_last).mlir_module()
+    assert "mosaic_gdn_state_bwd" in text

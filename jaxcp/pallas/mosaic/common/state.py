@@ -53,7 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.layout import ChunkLayout, from_chunks, to_chunks
-from jaxcp.pallas.mosaic.common.tiles import SMEM_BYTES, SWIZZLE_BYTES, operand_smem, products
+from jaxcp.pallas.mosaic.common.tiles import (SMEM_BYTES, SWIZZLE_BYTES, operand_smem, products,
+                                               store_tile)
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import unify, vary_like
 
@@ -318,19 +319,13 @@ def _run(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0: jax
             if with_finals:
                 @pl.when(ends != 0)
                 def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    last_s[...] = S
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(last_s, out2_g.at[seq, hv, :, cols])
+                    store_tile(last_s, S, out2_g.at[seq, hv, :, cols])
             return S, following
 
         fetch(0, 0)
         last, _ = lax.fori_loop(0, NT, chunk,
                                 (tile(h0_g.at[b, hv, :, cols]), chunk_scalars(0)))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        last_s[...] = last
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(last_s, last_g.at[b, hv, :, cols])
+        store_tile(last_s, last, last_g.at[b, hv, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
     # inputs a form does not read are passed as one-element stand-ins

@@ -43,6 +43,15 @@ def products(pairs, shape: tuple[int, int]):
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def store_tile(tile_s, value, dst) -> None:
+    """value into the shared-memory tile tile_s once every store in flight has read its
+    tiles, then from there to the global-memory ref dst by TMA (left in flight)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    tile_s[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile_s, dst)
+
+
 def unstage(staging, dst, count) -> None:
     """The first count rows of a staging tile (``staging_smem``) into the operand tile dst,
     zeros in the rest, through registers (the caller commits dst to shared memory).
