@@ -84,14 +84,34 @@ def _span_before_first_start(layout: ChunkLayout) -> jax.Array:
     return NT - jnp.min(jnp.where(starts, chunk, NT), axis=0, initial=NT)
 
 
-def _span_loop(span_ref, nt: int, body, init):
-    """fori_loop(first, nt, body, ...) from the span's first step of this batch row, or over
-    all nt steps when span_ref is None. The loop starts from init when it runs every step,
-    else from zero (its first chunk is then a reset, or M is zero)."""
+def _span_loop(span_ref, nt: int, body, init, chunk_values, ahead: bool):
+    """fori_loop(first, nt, ...) of body(step, carry, values) from the span's first step of
+    this batch row, or over all nt steps when span_ref is None. The loop starts from init
+    when it runs every step, else from zero (its first chunk is then a reset, or M is zero).
+    values = chunk_values(step), the step's per-chunk scalars and decay. With ahead they are
+    loaded during the step before and carried, so that the state's chain never waits for
+    their loads (GDN; KDA's carried [K] decay made its kernels slower on an H200), else at
+    the top of the step. Returns the last carry."""
+    if not ahead:
+        step_body = lambda step, carry: body(step, carry, chunk_values(step))
+        if span_ref is None:
+            return lax.fori_loop(0, nt, step_body, init)
+        first = span_ref[0]
+        return lax.fori_loop(first, nt, step_body, jnp.where(first == 0, init, 0.0))
+
+    values_of = lambda step: chunk_values(jnp.minimum(step, nt - 1))
+
+    def step_with_values(step, carry_values):
+        carry, values = carry_values
+        following = values_of(step + 1)
+        return body(step, carry, values), following
+
     if span_ref is None:
-        return lax.fori_loop(0, nt, body, init)
-    first = span_ref[0]
-    return lax.fori_loop(first, nt, body, jnp.where(first == 0, init, 0.0))
+        first, start = 0, init
+    else:
+        first = span_ref[0]
+        start = jnp.where(first == 0, init, 0.0)
+    return lax.fori_loop(first, nt, step_with_values, (start, values_of(first)))[0]
 
 
 def _token_rows(r, token_major: bool, C: int) -> Callable[..., ChunkRows] | None:
@@ -110,6 +130,12 @@ def _decay(dec_ref, i, gate: Gate):
     if gate is Gate.SCALAR:
         return dec_ref[i]
     return dec_ref[i, :][:, None]
+
+
+def _scalar_decay(dec_ref, i, gate: Gate):
+    """GDN's chunk decay, for loading a chunk ahead; None for KDA, whose [K] decay is read
+    where the state is decayed."""
+    return _decay(dec_ref, i, gate) if gate is Gate.SCALAR else None
 
 
 class _Specs(NamedTuple):
@@ -227,12 +253,19 @@ def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, pro
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
-    def body(i, state):
+    def chunk_values(i):
+        """Chunk i's (starts, seq, ends, decay); seq and ends where the kernel reads them."""
+        reads_seq = r.init is not None or r.finals is not None
+        return (r.starts[i], r.seq[i] if reads_seq else None,
+                r.ends[i] if r.finals is not None else None, _scalar_decay(r.decay, i, gate))
+
+    def body(i, state, values):
+        starts, seq, ends, decay = values
         if r.init is not None:
-            fresh = jnp.where(transition, 0.0, r.init[r.seq[i]])
+            fresh = jnp.where(transition, 0.0, r.init[seq])
         else:
             fresh = jnp.zeros_like(state)
-        state = jnp.where(r.starts[i] != 0, fresh, state)
+        state = jnp.where(starts != 0, fresh, state)
         if r.h is not None:
             r.h[i] = state.astype(r.h.dtype)
         w_s = mul(r.w[i], state)
@@ -246,15 +279,18 @@ def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, pro
                 r.o[i] = o.astype(r.o.dtype)
             else:
                 rows(i).store(r.o, o)
-        out = (_decay(r.decay, i, gate) * state
+        if decay is None:
+            decay = _decay(r.decay, i, gate)
+        out = (decay * state
                + mul(_chunk_of(r.kd, i, qk_rows).T, _scale_rows(v_new, r.k_rows, i)))
         if r.finals is not None:
-            @pl.when(r.ends[i] != 0)
+            @pl.when(ends != 0)
             def _():
-                r.finals[r.seq[i]] = out
+                r.finals[seq] = out
         return out
 
-    r.last[...] = _span_loop(r.span, nt, body, r.carry[...].astype(jnp.float32))
+    r.last[...] = _span_loop(r.span, nt, body, r.carry[...].astype(jnp.float32),
+                             chunk_values, ahead=gate is Gate.SCALAR)
 
 
 def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate,
@@ -442,28 +478,40 @@ def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products, dot_dt
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
-    def body(step, carry):
+    def chunk_values(step):
+        """Step's chunk's (starts, seq, ends, decay); seq and ends where the kernel reads
+        them."""
+        i = nt - 1 - step
+        reads_seq = r.d_final is not None or r.d_init is not None
+        return (r.starts[i], r.seq[i] if reads_seq else None,
+                r.ends[i] if r.d_final is not None else None, _scalar_decay(r.decay, i, gate))
+
+    def body(step, carry, values):
+        starts, seq, ends, decay = values
         i = nt - 1 - step
         x = carry
         if r.d_final is not None:
-            x = x + jnp.where(r.ends[i] != 0, r.d_final[r.seq[i]], 0.0)
+            x = x + jnp.where(ends != 0, r.d_final[seq], 0.0)
         do = _chunk_of(r.do, i, rows).astype(dot_dtype)
         dvn = (mul(r.attn[i].T, do)
                + _scale_rows(mul(_chunk_of(r.kd, i, qk_rows), x), r.k_rows, i))
-        dh = (_decay(r.decay, i, gate) * x
+        if decay is None:
+            decay = _decay(r.decay, i, gate)
+        dh = (decay * x
               + mul(_chunk_of(r.qg, i, qk_rows).T, _scale_rows(do, r.q_rows, i))
               - mul(r.w[i].T, dvn))
-        start = r.starts[i] != 0
+        start = starts != 0
         if r.x is not None:
             r.x[i] = x.astype(r.x.dtype)
             r.dvn[i] = dvn.astype(r.dvn.dtype)
         if r.d_init is not None:
             @pl.when(start)
             def _():
-                r.d_init[r.seq[i]] = dh
+                r.d_init[seq] = dh
         return jnp.where(start, 0.0, dh)
 
-    r.d_entry[...] = _span_loop(r.span, nt, body, r.carry[...])
+    r.d_entry[...] = _span_loop(r.span, nt, body, r.carry[...], chunk_values,
+                                ahead=gate is Gate.SCALAR)
 
 
 def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, gate: Gate,
