@@ -208,10 +208,19 @@ def _pallas_gdn_stages(opts: StageOptions) -> Stages:
                   **_pallas_state_stages(opts, precision))
 
 
+# The backward's Mosaic state kernels (state_fwd, state_bwd) run up to this K. Above it they
+# fit one ring slot of 32 columns in shared memory and are slower than the Triton kernels
+# (H200, T = 32768, H = 16, K = 256, mosaic fwd+bwd: 15.94 ms with both, 15.06 with
+# state_bwd on Triton, 13.63 with both on Triton; kernels_mosaic.notes.md). The forward's
+# state_output stays on Mosaic at K = 256 (fwd 2.74 ms, 3.87 on Triton).
+MOSAIC_BACKWARD_STATE_MAX_K = 128
+
+
 def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     """GDN's Pallas stages with the intra-chunk terms (intra), the forward state recurrence
     fused with the output (state_output), the backward's state pass again (state_fwd) and
-    its reverse state pass (state_bwd, but for the CP entry cotangent) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
+    its reverse state pass (state_bwd, but for the CP entry cotangent; these two up to
+    ``MOSAIC_BACKWARD_STATE_MAX_K``) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
     (``gdn.intra.takes``: chunks of 64, K, V multiples of 64 up to 256, or up to 128 by a
     token table, unit q, k rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within
     shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
@@ -237,13 +246,15 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
         return triton.state_output(terms, layout, init, h0, with_finals)
 
     def state_fwd(terms, layout, init, h0):
-        if mosaic_state.takes(terms, layout, init, h0, with_output=False):
+        if (terms.w.shape[-1] <= MOSAIC_BACKWARD_STATE_MAX_K
+                and mosaic_state.takes(terms, layout, init, h0, with_output=False)):
             return mosaic_state.state_fwd(terms, layout, init, h0)
         return triton.state_fwd(terms, layout, init, h0)
 
     def state_bwd(terms, layout, do, d_final, d_last, with_d_init=False, entry_only=False,
                   unused=None):
-        if not entry_only and mosaic_bwd.takes(terms, layout, do, d_last):
+        if (not entry_only and terms.w.shape[-1] <= MOSAIC_BACKWARD_STATE_MAX_K
+                and mosaic_bwd.takes(terms, layout, do, d_last)):
             return mosaic_bwd.state_bwd(terms, layout, do, d_final, d_last,
                                         with_d_init=with_d_init)
         return triton.state_bwd(terms, layout, do, d_final, d_last, with_d_init=with_d_init,

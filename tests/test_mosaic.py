@@ -282,6 +282,36 @@ def test_mosaic_stages_run_the_mosaic_kernels_inside_shard_map_too(monkeypatch):
     assert ran[-1] == "mosaic bwd"
 
 
+@pytest.mark.parametrize("K", [128, 256])
+def test_mosaic_stages_choose_the_state_kernels_by_width(monkeypatch, K):
+    """The "mosaic" backend runs the forward's state_output on Mosaic GPU at every width,
+    and the backward's state passes (state_fwd, state_bwd) up to
+    ``MOSAIC_BACKWARD_STATE_MAX_K`` only, the Triton kernels above it; traced only."""
+    from jaxcp.gate import Gate
+    from jaxcp.layout import build_layout
+    from jaxcp.pallas.mosaic.common import state_bwd as mosaic_bwd
+    from jaxcp.stages import MOSAIC_BACKWARD_STATE_MAX_K, stage_options, stages_for
+    terms, _, init, h0 = chunk_problem(K=K, V=K)
+    terms, _ = row_factored(terms)
+    terms = terms._replace(u=terms.u.astype(jnp.bfloat16))
+    T = terms.kd.shape[1]
+    layout, _ = build_layout(1, T, 64, None, 0, T)
+    ran = []
+    for module, name in ((mosaic_state, "state_output"), (mosaic_state, "state_fwd"),
+                         (mosaic_bwd, "state_bwd")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw:
+                            ran.append(_name) or _real(*a, **kw))
+    stages = stages_for(stage_options("mosaic", Gate.SCALAR, jnp.bfloat16, K, unit_qk=True,
+                                      tokens=T))
+    do = jnp.zeros((1, T, terms.w.shape[2], K), jnp.bfloat16)
+    jax.eval_shape(lambda h: stages.state_output(terms, layout, init, h, True), h0)
+    jax.eval_shape(lambda h: stages.state_fwd(terms, layout, init, h), h0)
+    jax.eval_shape(lambda h: stages.state_bwd(terms, layout, do, None, h), h0)
+    backward = ["state_fwd", "state_bwd"] if K <= MOSAIC_BACKWARD_STATE_MAX_K else []
+    assert ran == ["state_output"] + backward
+
+
 def intra_inputs(NT=2, HV=2, K=128, V=128, correlated=False, gates=None, T=None,
                  cu_seqlens=None):
     """bf16 token tensors of NT whole chunks of 64 (one batch row), or of T tokens, packed
