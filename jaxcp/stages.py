@@ -220,9 +220,10 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     """GDN's Pallas stages with the intra-chunk terms (intra), the forward state recurrence
     fused with the output (state_output), the backward's state pass again (state_fwd) and
     its reverse state pass (state_bwd, but for the CP entry cotangent; these two up to
-    ``MOSAIC_BACKWARD_STATE_MAX_K``) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``) wherever those take their inputs
-    (``gdn.intra.takes``: chunks of 64, K, V multiples of 64 up to 256, or up to 128 by a
-    token table, unit q, k rows; ``state.takes``: whole chunks, C, K, V multiples of 64, within
+    ``MOSAIC_BACKWARD_STATE_MAX_K``) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``)
+    wherever those take their inputs (``gdn.intra.takes``: chunks of 64, K, V multiples of
+    64 up to 256, by a token table too, unit q, k rows; ``state.takes``: whole chunks, C, K,
+    V multiples of 64, within
     shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
     inputs only: the Mosaic kernels' products take bf16 operands."""
     from jaxcp.pallas.mosaic.common import state as mosaic_state, state_bwd as mosaic_bwd

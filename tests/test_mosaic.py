@@ -375,13 +375,16 @@ def test_intra_interpret_equals_the_triton_kernel(correlated):
     assert rel_error(got.w, exact.w) < 1e-2 and rel_error(got.u, exact.u) < 1e-2
 
 
-@pytest.mark.parametrize("T, cu_seqlens", [(128, (0, 1, 70, 128)), (96, None)])
-def test_intra_interpret_reads_chunks_by_the_token_table(T, cu_seqlens):
+@pytest.mark.parametrize("T, cu_seqlens, K, V", [(128, (0, 1, 70, 128), 128, 128),
+                                                 (96, None, 128, 128),
+                                                 (128, (0, 1, 70, 128), 256, 256),
+                                                 (128, (0, 1, 70, 128), 64, 256)])
+def test_intra_interpret_reads_chunks_by_the_token_table(T, cu_seqlens, K, V):
     """Packed sequences (a 1-token one among them) and T not a multiple of 64: the kernel
-    reads each chunk from its first token through the staging tile and gives the Triton
-    kernel's terms, zero past each chunk's tokens."""
+    reads each chunk from its first token through the staging tiles (rows of 256 in two
+    pieces) and gives the Triton kernel's terms, zero past each chunk's tokens."""
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
-    args, layout = intra_inputs(T=T, cu_seqlens=cu_seqlens)
+    args, layout = intra_inputs(T=T, cu_seqlens=cu_seqlens, K=K, V=V)
     assert layout.token_start is not None
     got = jax.jit(lambda *a: mosaic_intra.intra_chunk(
         *a, 0.1, layout, 64, normalize_qk=True, with_inverse=True, interpret=True))(*args)
@@ -435,7 +438,7 @@ def test_intra_interpret_stays_finite_for_very_negative_gates():
 @pytest.mark.parametrize("K, V, with_inverse, normalize_qk, packed", [
     (128, 128, True, True, False), (128, 128, False, False, False),
     (64, 128, False, True, False), (256, 256, True, False, False),
-    (128, 128, False, True, True), (64, 128, True, True, True)])
+    (128, 128, False, True, True), (64, 128, True, True, True), (256, 256, True, True, True)])
 def test_intra_lowers_for_cuda(K, V, with_inverse, normalize_qk, packed):
     """The kernel, its left operands from registers, lowers to a Mosaic GPU custom call for
     CUDA from this CPU machine, at K = 64 to 256, with and without the kept inverse, the
@@ -460,9 +463,6 @@ def test_intra_refuses_what_it_does_not_take():
     short, _ = build_layout(1, 32, 64, None, 0, 32)
     with pytest.raises(ValueError, match="T must be at least 64"):
         run(q[:, :32], k[:, :32], v[:, :32], g[:, :32], beta[:, :32], layout=short)
-    (q, k, v, g, beta), packed = intra_inputs(K=256, V=256, cu_seqlens=(0, 1, 70, 128))
-    with pytest.raises(ValueError, match="token table .* up to 128"):
-        run(q, k, v, g, beta, layout=packed)
     with pytest.raises(ValueError, match="unit q, k rows"):
         run(q, k, v, g, beta, normalize_qk=False)
     with pytest.raises(ValueError, match="K a multiple of 64"):

@@ -8,11 +8,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLE_BYTES = 128
 SMEM_BYTES = 227 * 1024         # shared memory a Hopper block may opt in to
-# The widest rows (K, V) read through a staging tile (``unstage``): at 256 Mosaic GPU's
-# layout inference searches the staging tile's load plans for minutes, untiled or in
-# swizzled 1-row tiles (with optimized=False, element by element, an untiled one lowers at
-# once: not yet timed)
-TABLE_MAX_WIDTH = 128
+# The widest staging tile (``unstage``): at 256 columns Mosaic GPU's layout inference
+# searches its load plans for minutes, so wider rows are staged in pieces of this width
+STAGING_WIDTH = 128
 
 
 def operand_smem(shape: tuple[int, ...], dtype, swizzle: int = SWIZZLE_BYTES) -> plgpu.SMEM:
@@ -53,8 +51,9 @@ def store_tile(tile_s, value, dst) -> None:
 
 
 def unstage(staging, dst, count) -> None:
-    """The first count rows of a staging tile (``staging_smem``) into the operand tile dst,
-    zeros in the rest, through registers (the caller commits dst to shared memory).
+    """The first count rows of a staging tile (``staging_smem``) into the operand tile dst
+    (or a block of its columns as wide as the staging tile), zeros in the rest, through
+    registers (the caller commits dst to shared memory).
 
     A chunk read by a token table starts at any row, and a TMA copy into an operand tile
     (8-row tiles) needs its first row a multiple of 8: the copy goes into a staging tile

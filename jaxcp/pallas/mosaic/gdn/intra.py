@@ -8,11 +8,12 @@ chunk's rows of q, k [C, K] and v [C, V] arrive by TMA from the token tensors, w
 chunk's cumsum of the log-decay, and beta [C]. Where the layout has a token table (packed
 sequences, or T not a multiple of C) a chunk starts at any row, and a TMA copy into a tiled
 operand tile needs its first row a multiple of the 8-row tile: there q, k and v come
-through a staging tile (one [C, K] for the three where K = V: 16 KiB more at
-K = V = 128) and registers into their tiles (``tiles.unstage``: zero past the chunk's
-tokens, so nothing of the next sequence, a NaN included, reaches the chunk), v's copy
-running while the chunk computes; the row scales r below are zero there too. With
-E_ij = exp(G_i - G_j) and
+through staging tiles of at most ``tiles.STAGING_WIDTH`` columns, wider rows in pieces of
+that width (one [C, 128] tile for q's and k's pieces, shared with v where K = V = 128: 16
+KiB more; v's pieces in their own otherwise) and registers into their tiles
+(``tiles.unstage``: zero past the chunk's tokens, so nothing of the next sequence, a NaN
+included, reaches the chunk), v's copy running while the chunk computes; the row scales r
+below are zero there too. With E_ij = exp(G_i - G_j) and
 r(x)_i = (x_i . x_i + eps)^(-1/2) (the L2 row scales; 1 without normalize_qk):
 
     KK = k k^T,  QK = q k^T                              (bf16 wgmma, float32)
@@ -53,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxcp.l2norm import L2NORM_EPS
 from jaxcp.layout import ChunkLayout, chunks_by_table, to_chunks
-from jaxcp.pallas.mosaic.common.tiles import (TABLE_MAX_WIDTH, operand_smem, products,
+from jaxcp.pallas.mosaic.common.tiles import (STAGING_WIDTH, operand_smem, products,
                                                staging_smem, unstage)
 from jaxcp.terms import ChunkTerms
 from jaxcp.vma import unify, vary_like
@@ -85,10 +86,6 @@ def refusal(q, k, v, layout: ChunkLayout, chunk_size: int, normalize_qk: bool,
         if n % 64 or n > MAX_WIDTH:
             return ValueError(f"the Mosaic intra kernel needs {name} a multiple of 64 up to "
                               f"{MAX_WIDTH}, got {n}")
-    if layout.token_start is not None and max(K, V) > TABLE_MAX_WIDTH:
-        return ValueError(f"the Mosaic intra kernel reads chunks by a token table (packed "
-                          f"sequences, or T not a multiple of {CHUNK}) at K, V up to "
-                          f"{TABLE_MAX_WIDTH}, got K = {K}, V = {V}")
     if T < CHUNK:
         return ValueError(f"the Mosaic intra kernel reads chunks of {CHUNK} rows: T must be "
                           f"at least {CHUNK}, got {T}")
@@ -139,6 +136,19 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     G, beta_c = chunk_gates(g, beta, layout)
     table = layout.token_start is not None
+    k_width, v_width = min(K, STAGING_WIDTH), min(V, STAGING_WIDTH)
+    k_pieces, v_pieces = K // k_width, V // v_width
+    shared_staging = K == V and k_pieces == 1
+
+    def columns(piece, width):
+        return pl.ds(piece * width, width)
+
+    def columns_of(tile, piece, width, pieces):
+        """The piece-th block of width columns of an operand tile (the tile if one)."""
+        return tile if pieces == 1 else tile.at[:, columns(piece, width)]
+
+    def v_barrier(piece):
+        return 2 * k_pieces + piece
     acc_layout = plgpu.Layout.WGMMA
     row_layout = acc_layout.reduce(1)
 
@@ -151,7 +161,10 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         staged = staging_k = staging_v = None
         if table:
             staged, staging_k, *rest = rest
-            staging_v = rest.pop(0) if K != V else staging_k
+            staging_v = staging_k if shared_staging else rest.pop(0)
+
+        def v_staging_piece(piece):
+            return staging_v if shared_staging else staging_v.at[piece]
         a_tiles = rest
         c, b, hv = lax.axis_index("c"), lax.axis_index("b"), lax.axis_index("hv")
         if not table:
@@ -166,11 +179,16 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
             for src, dst in ((G_g.at[c, b, hv], G_s), (beta_g.at[c, b, hv], beta_s)):
                 plgpu.copy_gmem_to_smem(src, dst, arrived)
             for n, (src, dst) in enumerate(((q_g, q_s), (k_g, k_s))):
-                plgpu.copy_gmem_to_smem(src.at[b, rows, hv], staging_k, staged.at[n])
-                plgpu.barrier_wait(staged.at[n])
-                unstage(staging_k, dst, count)
-                plgpu.commit_smem()
-            plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv], staging_v, staged.at[2])
+                for piece in range(k_pieces):
+                    barrier = staged.at[n * k_pieces + piece]
+                    plgpu.copy_gmem_to_smem(src.at[b, rows, hv, columns(piece, k_width)],
+                                            staging_k, barrier)
+                    plgpu.barrier_wait(barrier)
+                    unstage(staging_k, columns_of(dst, piece, k_width, k_pieces), count)
+                    plgpu.commit_smem()
+            for piece in range(v_pieces):
+                plgpu.copy_gmem_to_smem(v_g.at[b, rows, hv, columns(piece, v_width)],
+                                        v_staging_piece(piece), staged.at[v_barrier(piece)])
         plgpu.barrier_wait(arrived)
 
         iota = lambda axis: plgpu.layout_cast(
@@ -265,8 +283,9 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         # w leaves through k's tile, u through v's: their products are the last to read them
         times_split(inv * as_cols(beta_col * jnp.exp(G_col) * rk_col), k_s, w_g.at[c, b, hv])
         if table:
-            plgpu.barrier_wait(staged.at[2])
-            unstage(staging_v, v_s, count)
+            for piece in range(v_pieces):
+                plgpu.barrier_wait(staged.at[v_barrier(piece)])
+                unstage(v_staging_piece(piece), columns_of(v_s, piece, v_width, v_pieces), count)
             plgpu.commit_smem()
         times_split(inv * as_cols(beta_col), v_s, u_g.at[c, b, hv])
         plgpu.wait_smem_to_gmem(0)
@@ -281,9 +300,13 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     if with_inverse:
         out_type.append(struct((C, C), bf16))
     vector = plgpu.SMEM((C,), f32)
-    # by a token table: a barrier for each of q, k, v's copies and their staging tiles
-    table_scratch = ([plgpu.Barrier(num_arrivals=1, num_barriers=3), staging_smem((C, K), bf16)]
-                     + ([staging_smem((C, V), bf16)] if K != V else [])) if table else []
+    # by a token table: a barrier for each copy (q, k, v, in pieces of STAGING_WIDTH
+    # columns) and their staging tiles: one for q's and k's pieces in turn, and v's pieces
+    # (all copied at once) in that one where K = V fit one piece, else in their own
+    table_scratch = ([plgpu.Barrier(num_arrivals=1, num_barriers=2 * k_pieces + v_pieces),
+                      staging_smem((C, k_width), bf16)]
+                     + ([] if shared_staging else [staging_smem((v_pieces, C, v_width), bf16)])
+                     if table else [])
     kernel.__name__ = "mosaic_gdn_intra_chunk" + ("_table" if table else "")
     call = plgpu.kernel(
         kernel, out_type=tuple(out_type),
