@@ -16,7 +16,8 @@ from jax.experimental import checkify
 
 from jaxcp.cp.split import check_layout
 from jaxcp.gate import Gate
-from jaxcp.stages import BACKENDS as STAGE_BACKENDS, gpu_present
+from jaxcp.stages import (BACKENDS as STAGE_BACKENDS, compute_capability, gpu_present,
+                          hopper_present)
 from jaxcp.vma import manual_axis_size
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -66,8 +67,8 @@ def check_backend(backend) -> None:
                          f"{jax.default_backend()!r}: use backend='interpret' (the Pallas "
                          f"kernels, interpreted: slow) or 'xla'")
     if backend == "mosaic":
-        capability = str(getattr(jax.devices()[0], "compute_capability", "9.0"))
-        if capability.split(".")[0] != "9":
+        capability = compute_capability()
+        if capability and not hopper_present():
             raise ValueError(f"backend='mosaic' runs Hopper kernels (wgmma: compute "
                              f"capability 9.x), and this GPU's is {capability}: use "
                              f"backend='pallas'")

@@ -58,7 +58,7 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
         world = lax.axis_size(exchange.axis)
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     piece_len = local[0].length
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, gate, v.dtype)
     S = choose_segments(segments, backend=backend, gate=gate, batch=B, heads=HV, k_dim=K,
                         v_dim=v.shape[3], piece_len=piece_len,
                         across_devices=exchange is not None and exchange.strategy == "allgather")

@@ -14,13 +14,14 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 | "mosaic" | SCALAR  | Mosaic GPU fwd intra; as "pallas"   | Mosaic GPU fwd    | yes, no        |
 
 The Pallas modules are those of ``jaxcp.pallas.triton`` (``state``: ``common.state``).
-"mosaic" runs GDN's forward intra-chunk terms (``intra``) and forward state recurrences
-(``state_output``, and ``state_fwd`` in the backward) as the Mosaic GPU kernels of
-``jaxcp.pallas.mosaic`` where they take their inputs, and the "pallas" stages for the rest;
-bf16 inputs only.
+"mosaic" runs GDN's forward intra-chunk terms (``intra``) and state recurrences
+(``state_output``; in the backward ``state_fwd`` and ``state_bwd``) as the Mosaic GPU
+kernels of ``jaxcp.pallas.mosaic`` where they take their inputs, and the "pallas" stages
+for the rest; bf16 inputs only.
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
-device); ``backend=None`` is "pallas" on a GPU, "xla" elsewhere. A new delta-rule variant
-is one ``Gate`` value and its entries here.
+device); ``backend=None`` is "mosaic" for GDN's bf16 inputs on a Hopper GPU, "pallas" on
+other GPUs, "xla" elsewhere (``resolve_backend``). A new delta-rule variant is one ``Gate``
+value and its entries here.
 
 token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents stay
 [B, T, HV, ...] as the caller has them, and the kernels read and write each chunk in place,
@@ -323,11 +324,30 @@ def gpu_present() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_backend(backend: str | None) -> str:
-    """None picks "pallas" when JAX's default backend is a GPU, else "xla"."""
+def compute_capability() -> str:
+    """The first default device's CUDA compute capability ("9.0"), "" where it has none."""
+    return str(getattr(jax.devices()[0], "compute_capability", ""))
+
+
+def hopper_present() -> bool:
+    """Whether JAX's default devices are Hopper GPUs (compute capability 9.x), whose wgmma
+    and TMA the Mosaic GPU kernels use."""
+    return gpu_present() and compute_capability().split(".")[0] == "9"
+
+
+def resolve_backend(backend: str | None, gate: Gate | None = None, input_dtype=None) -> str:
+    """The backend an op runs: backend itself, or for None "mosaic" for GDN (the scalar
+    gate) on bf16 inputs on a Hopper GPU, where its kernels beat the Triton ones at every
+    shape measured (docs/benchmarks/kernels_mosaic.md, kernels_packed.md), "pallas" on other
+    GPUs, gates and input dtypes, and "xla" without a GPU."""
     if backend is not None:
         return backend
-    return "pallas" if gpu_present() else "xla"
+    if not gpu_present():
+        return "xla"
+    if (gate is Gate.SCALAR and input_dtype is not None
+            and jnp.dtype(input_dtype) == jnp.bfloat16 and hopper_present()):
+        return "mosaic"
+    return "pallas"
 
 
 def implementation(backend: str, gate: Gate) -> Implementation:

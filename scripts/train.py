@@ -214,6 +214,20 @@ def speed(step_times: list[float], tokens_per_step: int, n_devices: int) -> dict
                 tokens_per_s_per_device=round(tokens_per_step / median / n_devices, 1))
 
 
+
+def linear_backends(backend: str | None, layers: str, dtype) -> str:
+    """The backend the GDN and KDA layers of --layers run on this machine ("mosaic (gdn),
+    pallas (kda)" where they differ)."""
+    from jaxcp.gate import Gate
+    from jaxcp.stages import resolve_backend
+    gates = {"gdn": Gate.SCALAR, "kda": Gate.CHANNEL}
+    chosen = {m: resolve_backend(backend, gates[m], dtype)
+              for m in dict.fromkeys(layers.split(",")) if m in gates}
+    if len(set(chosen.values())) <= 1:
+        return next(iter(chosen.values()), resolve_backend(backend))
+    return ", ".join(f"{b} ({m})" for m, b in chosen.items())
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, ap = parse_args(argv)
@@ -250,7 +264,6 @@ def _train(args, ap, argv, env, cluster) -> int:
     from jax.sharding import Mesh
 
     from jaxcp.models import LM
-    from jaxcp.stages import resolve_backend
     from jaxcp.train import (Batch, make_loss, make_optimizer, make_train_step, mqar_batch,
                              replicate, shard_batch)
     from jaxcp.train.cluster import local_value
@@ -318,7 +331,8 @@ def _train(args, ap, argv, env, cluster) -> int:
     peak = peak_flops(devices[0])
     config = dict(command=shlex.join(["python", "scripts/train.py", *argv]), argv=argv, env=env,
                   args={k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-                  backend=resolve_backend(args.backend), n_devices=len(devices),
+                  backend=linear_backends(args.backend, args.layers, dtype),
+                  n_devices=len(devices),
                   platform=devices[0].platform, device_kind=devices[0].device_kind,
                   jax_version=jax.__version__, process_count=jax.process_count(),
                   flops_per_token=round(flops.step), peak_flops_per_device=peak)

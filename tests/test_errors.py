@@ -190,14 +190,38 @@ def test_mosaic_backend_needs_hopper(gdn_args, monkeypatch):
     """On a GPU that is not a Hopper (compute capability 9.x) backend='mosaic' says to use
     'pallas' (a GPU of another kind stood in for by the device's attributes)."""
     import jaxcp.checks as checks
+    from jaxcp import stages
 
     class Ampere:
         compute_capability = "8.0"
     monkeypatch.setattr(checks, "gpu_present", lambda: True)
+    monkeypatch.setattr(stages, "gpu_present", lambda: True)
     monkeypatch.setattr(checks.jax, "devices", lambda *a: [Ampere()])
     with pytest.raises(ValueError, match="compute capability 9.x.*8.0: use backend='pallas'"):
         checks.check_backend("mosaic")
     checks.check_backend("pallas")
+
+
+@pytest.mark.parametrize("capability", ["9.0", "8.0", None])
+def test_default_backend_by_device_gate_and_dtype(monkeypatch, capability):
+    """backend=None: "mosaic" for GDN's bf16 inputs on a Hopper GPU, "pallas" for KDA,
+    other dtypes and other GPUs, "xla" without a GPU (GPUs stood in for by the device's
+    attributes); a backend given is kept."""
+    from jaxcp import stages
+    from jaxcp.gate import Gate
+
+    class Device:
+        compute_capability = capability
+    if capability is not None:
+        monkeypatch.setattr(stages, "gpu_present", lambda: True)
+        monkeypatch.setattr(stages.jax, "devices", lambda *a: [Device()])
+    choose = lambda gate, dtype: stages.resolve_backend(None, gate, dtype)
+    gpu = "pallas" if capability else "xla"
+    assert choose(Gate.SCALAR, jnp.bfloat16) == ("mosaic" if capability == "9.0" else gpu)
+    assert choose(Gate.SCALAR, jnp.float32) == gpu
+    assert choose(Gate.CHANNEL, jnp.bfloat16) == gpu
+    assert stages.resolve_backend(None) == gpu
+    assert stages.resolve_backend("pallas", Gate.SCALAR, jnp.bfloat16) == "pallas"
 
 
 def test_mosaic_backend_refuses_what_it_does_not_run():

@@ -235,3 +235,23 @@ def test_block_remat_waits_for_the_cotangent():
 
     assert barriers("none") == 2
     assert barriers("block") == 2 + 2 * 3
+
+
+def test_train_script_names_the_backend_of_each_linear_layer(monkeypatch):
+    """config.json's backend: one name where the GDN and KDA layers run the same backend,
+    else one per mixer (a Hopper GPU stood in for by the device's attributes)."""
+    import importlib.util
+    from jaxcp import stages
+    spec = importlib.util.spec_from_file_location("train_script", "scripts/train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16) == "xla"
+
+    class Hopper:
+        compute_capability = "9.0"
+    monkeypatch.setattr(stages, "gpu_present", lambda: True)
+    monkeypatch.setattr(stages.jax, "devices", lambda *a: [Hopper()])
+    assert script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16) == "mosaic (gdn), pallas (kda)"
+    assert script.linear_backends(None, "gdn,attn", jnp.float32) == "pallas"
+    assert script.linear_backends("pallas", "gdn,kda", jnp.bfloat16) == "pallas"
+    assert script.linear_backends(None, "attn", jnp.bfloat16) == "pallas"
