@@ -223,9 +223,8 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     its reverse state pass (state_bwd, but for the CP entry cotangent; these two up to
     ``MOSAIC_BACKWARD_STATE_MAX_K``) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``)
     wherever those take their inputs (``gdn.intra.takes``: chunks of 64, K, V multiples of
-    64 up to 256, by a token table too, unit q, k rows; ``state.takes``: whole chunks, C, K,
-    V multiples of 64, within
-    shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
+    64 up to 256, by a token table too, unit q, k rows; ``state.takes``: whole chunks of 64,
+    K, V multiples of 64, within shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
     inputs only: the Mosaic kernels' products take bf16 operands."""
     from jaxcp.pallas.mosaic.common import state as mosaic_state, state_bwd as mosaic_bwd
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra

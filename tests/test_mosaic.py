@@ -180,6 +180,8 @@ def test_state_fwd_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="K a multiple of 64"):
         short = chunk_problem(K=32)
         mosaic_state.state_fwd(*short)
+    with pytest.raises(ValueError, match="chunks of 64 .*C = 128"):
+        mosaic_state.state_fwd(*chunk_problem(C=128))
     with pytest.raises(ValueError, match="block_cols 128 with 2 slots at C = 64, K = 128 needs"):
         mosaic_state.state_fwd(*chunk_problem(V=256),
                                blocks=mosaic_state.StateBlocks(block_cols=128))
@@ -489,10 +491,10 @@ def test_mosaic_stages_run_the_intra_kernel(cu_seqlens, kernel):
     assert kernel in text
 
 
-def bwd_problem(with_final: bool):
-    """Row-factored terms of ``chunk_problem``, a bf16 token-major do, d_final (or None) and
-    d_last, and the plain float32 terms and chunk-layout do they stand for."""
-    terms, layout, init, _ = chunk_problem()
+def bwd_problem(with_final: bool, C: int = 64):
+    """Row-factored terms of ``chunk_problem`` (chunks of C), a bf16 token-major do, d_final
+    (or None) and d_last, and the plain float32 terms and chunk-layout do they stand for."""
+    terms, layout, init, _ = chunk_problem(C=C)
     factored, plain = row_factored(terms)
     NT, B, HV, C, _ = terms.w.shape
     V = terms.u.shape[-1]
@@ -537,6 +539,25 @@ def test_state_bwd_interpret_equals_the_triton_kernel(with_final, with_d_init, b
     pairs = [(got[0], exact[0]), (got[2], exact[2]), (got[3], exact[3])]
     pairs += [(got[1], exact[1])] if with_d_init else []
     assert all(rel_error(a, b) < 1e-2 for a, b in pairs)
+
+
+def test_state_bwd_refuses_what_it_does_not_take():
+    from jaxcp.pallas.mosaic.common import state_bwd as mosaic_bwd
+    factored, _, layout, do, d_final, d_last = bwd_problem(True)
+    run = lambda t=factored, do=do, d_last=d_last, layout=layout: mosaic_bwd.state_bwd(
+        t, layout, do, d_final, d_last)
+    with pytest.raises(ValueError, match="scalar gate"):
+        run(t=factored._replace(decay=jnp.ones(factored.w.shape[:-2] + (128,))))
+    with pytest.raises(ValueError, match="do must be"):
+        run(do=do[:, :-1])
+    with pytest.raises(ValueError, match="d_last must be"):
+        run(d_last=d_last[..., :64])
+    with pytest.raises(TypeError, match="bfloat16"):
+        run(do=do.astype(jnp.float32))
+    wide, _, wide_layout, wide_do, _, wide_last = bwd_problem(False, C=128)
+    with pytest.raises(ValueError, match="chunks of 64 .*C = 128"):
+        run(t=wide, do=wide_do, d_last=wide_last, layout=wide_layout)
+    assert not mosaic_bwd.takes(wide, wide_layout, wide_do, wide_last)
 
 
 @pytest.mark.parametrize("blocks", [(64, 2), (32, 1)])

@@ -39,8 +39,8 @@ with diag(k_rows) vn_c rounded to the operand dtype for its product; o leaves to
 Shapes: w, kd, qg [NT, B, HV, C, K] bf16 or f16 (one dtype, the operand dtype); attn
 [NT, B, HV, C, C] in it; u [NT, B, HV, C, V] (float32 or the operand dtype); decay
 [NT, B, HV, 1]; layout.chunk_starts, chunk_ends, chunk_seq [NT, B], seq_ends_here [N]; init
-[N, HV, K, V] or None; h0 [B, HV, K, V]. C, K and V are multiples of 64 (wgmma's tile),
-BV of 32.
+[N, HV, K, V] or None; h0 [B, HV, K, V]. C = 64 (the chunk size measured); K and V are
+multiples of 64 (wgmma's tile), BV of 32.
 """
 from __future__ import annotations
 
@@ -117,7 +117,10 @@ def _refusal(terms: ChunkTerms, layout: ChunkLayout, init: jax.Array | None, h0:
                           "multiple of C) is not supported")
     if factored and with_output and terms.q_rows is None:
         return ValueError("row-factored terms for the output need q_rows as well as k_rows")
-    for name, n, multiple in (("C", C, 64), ("K", K, 64), ("V", V, 64),
+    if C != 64:
+        return ValueError(f"the Mosaic state kernel takes chunks of 64 (the size measured), got "
+                          f"C = {C}")
+    for name, n, multiple in (("K", K, 64), ("V", V, 64),
                               ("block_cols", block_cols, 32)):
         if n % multiple:
             return ValueError(f"the Mosaic state kernel needs {name} a multiple of "

@@ -24,8 +24,8 @@ tiles, one chunk's stores in flight while the next computes.
 
 Shapes: w [NT, B, HV, C, K], attn [NT, B, HV, C, C] bf16; q, k (terms.qg, terms.kd) [B, T,
 HV, K] bf16 with T = NT C; q_rows, k_rows [NT, B, HV, C] float32; decay [NT, B, HV, 1]; do
-[B, T, HV, V] bf16; d_final [N, HV, K, V] or None; d_last [B, HV, K, V] float32. C, K, V
-multiples of 64, BV of 32.
+[B, T, HV, V] bf16; d_final [N, HV, K, V] or None; d_last [B, HV, K, V] float32. C = 64;
+K, V multiples of 64, BV of 32.
 """
 from __future__ import annotations
 
@@ -80,7 +80,10 @@ def _refusal(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_last: jax.
     if tuple(d_last.shape) != (B, HV, K, V):
         return ValueError(f"d_last must be [B, HV, K, V] = {(B, HV, K, V)}, got "
                           f"{tuple(d_last.shape)}")
-    for name, n, multiple in (("C", C, 64), ("K", K, 64), ("V", V, 64),
+    if C != 64:
+        return ValueError(f"the Mosaic reverse state kernel takes chunks of 64 (the size measured), got "
+                          f"C = {C}")
+    for name, n, multiple in (("K", K, 64), ("V", V, 64),
                               ("block_cols", blocks.block_cols, 32)):
         if n % multiple:
             return ValueError(f"the Mosaic reverse state kernel needs {name} a multiple of "
