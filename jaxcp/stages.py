@@ -11,7 +11,7 @@ chunk layout, whether q, k are L2-normalised inside the kernels) and the core ru
 | "xla"    | both    | jnp (``jaxcp.xla``)                 | jnp               | no, no         |
 | "pallas" | SCALAR  | Pallas ``gdn.intra``, ``gdn.grads`` | Pallas ``state``  | yes, no        |
 | "pallas" | CHANNEL | Pallas ``kda.intra``, ``kda.grads`` | Pallas ``state``  | yes, yes       |
-| "mosaic" | SCALAR  | Mosaic GPU fwd intra; as "pallas"   | Mosaic GPU fwd    | yes, no        |
+| "mosaic" | SCALAR  | Mosaic GPU fwd intra; as "pallas"   | Mosaic GPU        | yes, no        |
 
 The Pallas modules are those of ``jaxcp.pallas.triton`` (``state``: ``common.state``).
 "mosaic" runs GDN's forward intra-chunk terms (``intra``) and state recurrences
@@ -224,8 +224,9 @@ def _mosaic_gdn_stages(opts: StageOptions) -> Stages:
     ``MOSAIC_BACKWARD_STATE_MAX_K``) as Mosaic GPU kernels (``jaxcp.pallas.mosaic``)
     wherever those take their inputs (``gdn.intra.takes``: chunks of 64, K, V multiples of
     64 up to 256, by a token table too, unit q, k rows; ``state.takes``: whole chunks of 64,
-    K, V multiples of 64, within shared memory), the Triton kernels elsewhere; inside shard_map (CP) as outside it. bf16
-    inputs only: the Mosaic kernels' products take bf16 operands."""
+    K, V multiples of 64, within shared memory), the Triton kernels elsewhere; inside
+    shard_map (CP) as outside it. bf16 inputs only: the Mosaic kernels' products take bf16
+    operands."""
     from jaxcp.pallas.mosaic.common import state as mosaic_state, state_bwd as mosaic_bwd
     from jaxcp.pallas.mosaic.gdn import intra as mosaic_intra
     if opts.dot_dtype != "bfloat16":

@@ -251,7 +251,8 @@ def test_train_script_names_the_backend_of_each_linear_layer(monkeypatch):
         compute_capability = "9.0"
     monkeypatch.setattr(stages, "gpu_present", lambda: True)
     monkeypatch.setattr(stages.jax, "devices", lambda *a: [Hopper()])
-    assert script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16) == "mosaic (gdn), pallas (kda)"
+    assert (script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16)
+            == "mosaic (gdn), pallas (kda)")
     assert script.linear_backends(None, "gdn,attn", jnp.float32) == "pallas"
     assert script.linear_backends("pallas", "gdn,kda", jnp.bfloat16) == "pallas"
     assert script.linear_backends(None, "attn", jnp.bfloat16) == "pallas"

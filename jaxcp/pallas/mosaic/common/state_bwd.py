@@ -81,8 +81,8 @@ def _refusal(terms: ChunkTerms, layout: ChunkLayout, do: jax.Array, d_last: jax.
         return ValueError(f"d_last must be [B, HV, K, V] = {(B, HV, K, V)}, got "
                           f"{tuple(d_last.shape)}")
     if C != 64:
-        return ValueError(f"the Mosaic reverse state kernel takes chunks of 64 (the size measured), got "
-                          f"C = {C}")
+        return ValueError(f"the Mosaic reverse state kernel takes chunks of 64 (the size "
+                          f"measured), got C = {C}")
     for name, n, multiple in (("K", K, 64), ("V", V, 64),
                               ("block_cols", blocks.block_cols, 32)):
         if n % multiple:
