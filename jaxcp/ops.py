@@ -139,8 +139,8 @@ _DOC = """{title}
       backend: "xla", "pallas" (GPU kernels), "interpret" (the kernels in interpret mode),
         "mosaic" (GDN, bf16 inputs: the "pallas" kernels with the forward's intra-chunk
         terms on Mosaic GPU, and its state recurrences where the chunks are whole;
-        ``jaxcp.stages``) or None: "mosaic" for GDN's bf16 inputs on a Hopper GPU, else
-        "pallas" on a GPU, "xla" elsewhere (``jaxcp.stages.resolve_backend``).
+        ``jaxcp.stages``) or None: "mosaic" for GDN's bf16 inputs on a Hopper GPU under jax
+        0.11, else "pallas" on a GPU, "xla" elsewhere (``jaxcp.stages.resolve_backend``).
       segments: run each sequence (under CP, each of the device's pieces) as this many
         segments in parallel on the device, joined by the same merge as CP's devices: more
         programs for the state recurrences when B x HV cannot fill the GPU. The length

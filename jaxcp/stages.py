@@ -19,8 +19,8 @@ The Pallas modules are those of ``jaxcp.pallas.triton`` (``state``: ``common.sta
 kernels of ``jaxcp.pallas.mosaic`` where they take their inputs, and the "pallas" stages
 for the rest; bf16 inputs only.
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
-device); ``backend=None`` is "mosaic" for GDN's bf16 inputs on a Hopper GPU, "pallas" on
-other GPUs, "xla" elsewhere (``resolve_backend``). A new delta-rule variant is one ``Gate``
+device); ``backend=None`` is "mosaic" for GDN's bf16 inputs on a Hopper GPU (jax 0.11),
+"pallas" on other GPUs, "xla" elsewhere (``resolve_backend``). A new delta-rule variant is one ``Gate``
 value and its entries here.
 
 token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents stay
@@ -335,17 +335,24 @@ def hopper_present() -> bool:
     return gpu_present() and compute_capability().split(".")[0] == "9"
 
 
+# The jax releases on which the Mosaic GPU kernels have run on a GPU; on others they are
+# only lowered (for CUDA, on the CPU), and backend=None keeps the Triton kernels.
+MOSAIC_DEFAULT_JAX = ("0.11.",)
+
+
 def resolve_backend(backend: str | None, gate: Gate | None = None, input_dtype=None) -> str:
     """The backend an op runs: backend itself, or for None "mosaic" for GDN (the scalar
-    gate) on bf16 inputs on a Hopper GPU, where its kernels beat the Triton ones at every
-    shape measured (docs/benchmarks/kernels_mosaic.md, kernels_packed.md), "pallas" on other
-    GPUs, gates and input dtypes, and "xla" without a GPU."""
+    gate) on bf16 inputs on a Hopper GPU under a jax of ``MOSAIC_DEFAULT_JAX``, where its
+    kernels beat the Triton ones at every shape measured (docs/benchmarks/kernels_mosaic.md,
+    kernels_packed.md), "pallas" on other GPUs, gates, input dtypes and jax releases, and
+    "xla" without a GPU."""
     if backend is not None:
         return backend
     if not gpu_present():
         return "xla"
     if (gate is Gate.SCALAR and input_dtype is not None
-            and jnp.dtype(input_dtype) == jnp.bfloat16 and hopper_present()):
+            and jnp.dtype(input_dtype) == jnp.bfloat16 and hopper_present()
+            and jax.__version__.startswith(MOSAIC_DEFAULT_JAX)):
         return "mosaic"
     return "pallas"
 

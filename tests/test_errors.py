@@ -202,11 +202,13 @@ def test_mosaic_backend_needs_hopper(gdn_args, monkeypatch):
     checks.check_backend("pallas")
 
 
-@pytest.mark.parametrize("capability", ["9.0", "8.0", None])
-def test_default_backend_by_device_gate_and_dtype(monkeypatch, capability):
-    """backend=None: "mosaic" for GDN's bf16 inputs on a Hopper GPU, "pallas" for KDA,
-    other dtypes and other GPUs, "xla" without a GPU (GPUs stood in for by the device's
-    attributes); a backend given is kept."""
+@pytest.mark.parametrize("capability, jax_version", [("9.0", "0.11.2"), ("9.0", "0.12.0"),
+                                                     ("8.0", "0.11.2"), (None, "0.11.2")])
+def test_default_backend_by_device_gate_and_dtype(monkeypatch, capability, jax_version):
+    """backend=None: "mosaic" for GDN's bf16 inputs on a Hopper GPU under a jax release
+    whose Mosaic kernels have run on GPUs, "pallas" for KDA, other dtypes, GPUs and jax
+    releases, "xla" without a GPU (GPUs stood in for by the device's attributes); a backend
+    given is kept."""
     from jaxcp import stages
     from jaxcp.gate import Gate
 
@@ -215,9 +217,11 @@ def test_default_backend_by_device_gate_and_dtype(monkeypatch, capability):
     if capability is not None:
         monkeypatch.setattr(stages, "gpu_present", lambda: True)
         monkeypatch.setattr(stages.jax, "devices", lambda *a: [Device()])
+    monkeypatch.setattr(stages.jax, "__version__", jax_version)
     choose = lambda gate, dtype: stages.resolve_backend(None, gate, dtype)
     gpu = "pallas" if capability else "xla"
-    assert choose(Gate.SCALAR, jnp.bfloat16) == ("mosaic" if capability == "9.0" else gpu)
+    mosaic = capability == "9.0" and jax_version.startswith(stages.MOSAIC_DEFAULT_JAX)
+    assert choose(Gate.SCALAR, jnp.bfloat16) == ("mosaic" if mosaic else gpu)
     assert choose(Gate.SCALAR, jnp.float32) == gpu
     assert choose(Gate.CHANNEL, jnp.bfloat16) == gpu
     assert stages.resolve_backend(None) == gpu

@@ -251,6 +251,7 @@ def test_train_script_names_the_backend_of_each_linear_layer(monkeypatch):
         compute_capability = "9.0"
     monkeypatch.setattr(stages, "gpu_present", lambda: True)
     monkeypatch.setattr(stages.jax, "devices", lambda *a: [Hopper()])
+    monkeypatch.setattr(stages.jax, "__version__", "0.11.2")
     assert (script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16)
             == "mosaic (gdn), pallas (kda)")
     assert script.linear_backends(None, "gdn,attn", jnp.float32) == "pallas"
