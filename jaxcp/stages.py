@@ -20,8 +20,8 @@ kernels of ``jaxcp.pallas.mosaic`` where they take their inputs, and the "pallas
 for the rest; bf16 inputs only.
 "interpret" runs the "pallas" entries with the kernels in Pallas interpret mode (any
 device); ``backend=None`` is "mosaic" for GDN's bf16 inputs on a Hopper GPU (jax 0.11),
-"pallas" on other GPUs, "xla" elsewhere (``resolve_backend``). A new delta-rule variant is one ``Gate``
-value and its entries here.
+"pallas" on other GPUs, "xla" elsewhere (``resolve_backend``). A new delta-rule variant is
+one ``Gate`` value and its entries here.
 
 token_major: the token tensors q, k, v, g, beta, o, do and the input cotangents stay
 [B, T, HV, ...] as the caller has them, and the kernels read and write each chunk in place,

@@ -92,12 +92,14 @@ def _span_loop(span_ref, nt: int, body, init, chunk_values, ahead: bool):
     loaded during the step before and carried, so that the state's chain never waits for
     their loads (GDN; KDA's carried [K] decay made its kernels slower on an H200), else at
     the top of the step. Returns the last carry."""
-    if not ahead:
-        step_body = lambda step, carry: body(step, carry, chunk_values(step))
-        if span_ref is None:
-            return lax.fori_loop(0, nt, step_body, init)
+    if span_ref is None:
+        first, start = 0, init
+    else:
         first = span_ref[0]
-        return lax.fori_loop(first, nt, step_body, jnp.where(first == 0, init, 0.0))
+        start = jnp.where(first == 0, init, 0.0)
+    if not ahead:
+        return lax.fori_loop(first, nt, lambda step, carry: body(step, carry,
+                                                                 chunk_values(step)), start)
 
     values_of = lambda step: chunk_values(jnp.minimum(step, nt - 1))
 
@@ -106,11 +108,6 @@ def _span_loop(span_ref, nt: int, body, init, chunk_values, ahead: bool):
         following = values_of(step + 1)
         return body(step, carry, values), following
 
-    if span_ref is None:
-        first, start = 0, init
-    else:
-        first = span_ref[0]
-        start = jnp.where(first == 0, init, 0.0)
     return lax.fori_loop(first, nt, step_with_values, (start, values_of(first)))[0]
 
 
