@@ -72,8 +72,9 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     q, k = f32(q), f32(k)
     if use_qk_l2norm_in_kernel and not opts.normalize_qk:
         q, k = l2_normalize(q), l2_normalize(k)
-    q, k = (jnp.repeat(x.astype(impl.qk_dtype(opts.dot_dtype)), HV // H, axis=2)
-            for x in (q, k))
+    qk_dtype = impl.qk_dtype(opts.dot_dtype,
+                             unit_rows=use_qk_l2norm_in_kernel and not opts.normalize_qk)
+    q, k = (jnp.repeat(x.astype(qk_dtype), HV // H, axis=2) for x in (q, k))
     pieces_in, layouts, unchunks = [], [], []
     for p in local:
         cut = (lambda x: x) if len(local) == 1 else (lambda x: x[:, p.offset:p.offset + p.length])

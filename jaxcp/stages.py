@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,8 +111,9 @@ class Implementation:
     for K up to this (0: never; the op normalises with XLA first). narrow_qk, narrow_v: q
     and k, and v, reach the kernels in bf16 when the inputs are bf16 (else float32; v is
     never transformed before the kernels, so bf16 v is exact where they read it as
-    float32). gate_cumsum: the stages take G and return dG (module docstring). build: the
-    Stages for a StageOptions (``stages_for``)."""
+    float32). unit_qk_dtype: where narrow_qk is False, the dtype of bf16 inputs' q and k
+    that the op has L2-normalised (None: float32). gate_cumsum: the stages take G and
+    return dG (module docstring). build: the Stages for a StageOptions (``stages_for``)."""
     backend: str
     gate: Gate
     token_major: bool
@@ -121,9 +122,17 @@ class Implementation:
     narrow_qk: bool
     narrow_v: bool
     build: Callable[[StageOptions], Stages]
+    unit_qk_dtype: Any = None
 
-    def qk_dtype(self, dot_dtype: str):
-        return jnp.bfloat16 if self.narrow_qk and dot_dtype == "bfloat16" else jnp.float32
+    def qk_dtype(self, dot_dtype: str, unit_rows: bool):
+        """The dtype q and k reach the kernels in; unit_rows: the op has L2-normalised them."""
+        if dot_dtype != "bfloat16":
+            return jnp.float32
+        if self.narrow_qk:
+            return jnp.bfloat16
+        if unit_rows and self.unit_qk_dtype is not None:
+            return self.unit_qk_dtype
+        return jnp.float32
 
     def v_dtype(self, dot_dtype: str):
         return jnp.bfloat16 if self.narrow_v and dot_dtype == "bfloat16" else jnp.float32
@@ -307,15 +316,16 @@ def _pallas_kda_stages(opts: StageOptions) -> Stages:
 
 # In-kernel normalisation for GDN up to K = 128, where it saves the norm's passes over q, k;
 # at K = 256 its cotangent kernels are slower than XLA's norm. KDA's q, k reach its kernels
-# normalised by XLA in float32: normalising bf16 copies loses too many digits on correlated
-# keys, and its in-kernel path (normalize_qk) saves memory but is slower
-# (docs/benchmarks/kernels.md, kernels_kda.md).
+# normalised by XLA, in float16 for bf16 inputs: the 10-bit mantissa its TF32 products keep
+# (bf16 copies lose too many digits on correlated keys); its in-kernel path (normalize_qk)
+# saves more memory but is slower (docs/benchmarks/kernels.md, kernels_kda.md).
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     #     backend   gate     token_major gate_cumsum normalize_max_k narrow_qk narrow_v build
     Implementation("xla", Gate.SCALAR, False, False, 0, False, False, _xla_stages),
     Implementation("xla", Gate.CHANNEL, False, False, 0, False, False, _xla_stages),
     Implementation("pallas", Gate.SCALAR, True, False, 128, True, True, _pallas_gdn_stages),
-    Implementation("pallas", Gate.CHANNEL, True, True, 0, False, True, _pallas_kda_stages),
+    Implementation("pallas", Gate.CHANNEL, True, True, 0, False, True, _pallas_kda_stages,
+                   unit_qk_dtype=jnp.float16),
     Implementation("mosaic", Gate.SCALAR, True, False, 128, True, True, _mosaic_gdn_stages),
 )}
 

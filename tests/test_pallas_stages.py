@@ -630,8 +630,11 @@ def test_implementation_table():
             for gate in Gate] == [False, False, False, True]
     assert implementation("pallas", Gate.SCALAR).normalizes_qk(128)
     assert not implementation("pallas", Gate.SCALAR).normalizes_qk(256)
-    assert implementation("pallas", Gate.SCALAR).qk_dtype("bfloat16") == jnp.bfloat16
-    assert implementation("pallas", Gate.CHANNEL).qk_dtype("bfloat16") == jnp.float32
+    assert [implementation("pallas", gate).qk_dtype(dtype, unit_rows)
+            for gate in Gate for dtype in ("bfloat16", "float32")
+            for unit_rows in (True, False)] == [
+        jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32,
+        jnp.float16, jnp.float32, jnp.float32, jnp.float32]
     assert [implementation(b, gate).v_dtype("bfloat16") for b in ("xla", "pallas")
             for gate in Gate] == [jnp.float32, jnp.float32, jnp.bfloat16, jnp.bfloat16]
     for backend, gate in (("xla", Gate.SCALAR), ("interpret", Gate.CHANNEL)):

@@ -219,7 +219,7 @@ def _profile_kda(args, cu):
     T, H, D, C = args.T, args.H, args.D, 64
     backend = "interpret" if args.interpret else "pallas"
     impl = implementation(backend, Gate.CHANNEL)
-    qk_dtype, v_dtype = impl.qk_dtype("bfloat16"), impl.v_dtype("bfloat16")
+    qk_dtype, v_dtype = impl.qk_dtype("bfloat16", unit_rows=True), impl.v_dtype("bfloat16")
     st = stages_for(StageOptions(backend, Gate.CHANNEL, "bfloat16", chunk_size=C, unit_qk=True,
                                  tokens=T))
     rng = np.random.default_rng(0)
