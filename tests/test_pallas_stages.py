@@ -684,10 +684,15 @@ def test_kda_stages_pick_precise_products(dtype, products):
 
 def test_kda_state_blocks_keep_the_grid_full():
     """state_bwd takes 64 state columns (8 warps) only where that still launches FULL_GRID
-    programs; state_fwd takes 16 at K = 256; the others 32."""
+    programs; state_fwd takes 16 at K = 256; the op's three recurrences take 16 where 32
+    launch fewer than FULL_GRID programs (the CP kernels stay at 32); the others 32."""
     wide = StateBlocks(block_cols=64, num_warps=8)
+    narrow = StateBlocks(block_cols=16)
     assert StateBlocks.kda("state_bwd", 128, 128, 64) == wide
-    assert StateBlocks.kda("state_bwd", 128, 128, 8) == StateBlocks(block_cols=32)
+    for kernel in ("state_output", "state_fwd", "state_bwd"):
+        assert StateBlocks.kda(kernel, 128, 128, 16) == narrow
+        assert StateBlocks.kda(kernel, 128, 128, 32) == StateBlocks(block_cols=32)
+    assert StateBlocks.kda("state_last", 128, 128, 16) == StateBlocks(block_cols=32)
     assert StateBlocks.kda("state_bwd", 256, 256, 64) == StateBlocks(block_cols=32)
     assert StateBlocks.kda("state_fwd", 256, 256, 16) == StateBlocks(block_cols=16)
     assert StateBlocks.kda("state_fwd", 128, 128, 64) == StateBlocks(block_cols=32)

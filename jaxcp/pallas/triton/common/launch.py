@@ -33,6 +33,10 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
 # programs that fill a GPU of 132 SMs (H100, H200) about once
 FULL_GRID = 128
 
+# the state recurrences of the op on one device (``common.state``'s kernel names), apart
+# from those of the CP summary and its cotangents
+_OP_RECURRENCES = ("state_output", "state_fwd", "state_bwd")
+
 
 @dataclass(frozen=True)
 class StateBlocks:
@@ -66,11 +70,14 @@ class StateBlocks:
         w, qg, kd, attn): per kernel (``common.state``'s kernel names), K, V and heads (B HV,
         the programs per block of state columns). 32 state columns per program, but
         state_bwd at K <= 128 takes 64 with 8 warps where that still gives FULL_GRID
-        programs, and state_fwd at K = 256 takes 16 (more programs). The measurements:
-        docs/benchmarks/kernels_kda.md, "Launch configurations measured"."""
+        programs, state_fwd at K = 256 takes 16 (more programs), and the op's three
+        recurrences take 16 where 32 give fewer than FULL_GRID programs (few heads). The
+        measurements: docs/benchmarks/kernels_kda.md, "Launch configurations measured"."""
         if kernel == "state_bwd" and K <= 128 and heads * (V // 64) >= FULL_GRID:
             return cls(block_cols=64, num_warps=8)
         if kernel == "state_fwd" and K > 128:
+            return cls(block_cols=16)
+        if kernel in _OP_RECURRENCES and heads * (V // min(V, 32)) < FULL_GRID:
             return cls(block_cols=16)
         return cls(block_cols=32)
 
