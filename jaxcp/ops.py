@@ -70,10 +70,10 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
     cfg = CoreConfig(scale, output_final_state, opts, exchange, S)
 
     q, k = f32(q), f32(k)
-    if use_qk_l2norm_in_kernel and not opts.normalize_qk:
+    normalised_here = use_qk_l2norm_in_kernel and not opts.normalize_qk
+    if normalised_here:
         q, k = l2_normalize(q), l2_normalize(k)
-    qk_dtype = impl.qk_dtype(opts.dot_dtype,
-                             unit_rows=use_qk_l2norm_in_kernel and not opts.normalize_qk)
+    qk_dtype = impl.qk_dtype(opts.dot_dtype, unit_rows=normalised_here)
     q, k = (jnp.repeat(x.astype(qk_dtype), HV // H, axis=2) for x in (q, k))
     pieces_in, layouts, unchunks = [], [], []
     for p in local:

@@ -77,9 +77,10 @@ class StateBlocks:
             return cls(block_cols=64, num_warps=8)
         if kernel == "state_fwd" and K > 128:
             return cls(block_cols=16)
-        if kernel in _OP_RECURRENCES and heads * (V // min(V, 32)) < FULL_GRID:
+        blocks = cls(block_cols=32)
+        if kernel in _OP_RECURRENCES and heads * (V // blocks.cols(V)) < FULL_GRID:
             return cls(block_cols=16)
-        return cls(block_cols=32)
+        return blocks
 
     @classmethod
     def recurrent(cls, K: int, V: int, rows: int) -> "StateBlocks":
