@@ -63,7 +63,9 @@ def test_table_of_csv_files(tmp_path):
     (("table", "no-label.csv"), "expected LABEL=CSV"),
     (("table", "a=/nonexistent.csv"), "/nonexistent.csv"),
     (("table", "a={csv_without_time}"), "gpu__time_duration.sum"),
-    (("run", "--impl", "jaxcp", "--T", "0"), "--T must be positive")])
+    (("run", "--impl", "jaxcp", "--T", "0"), "--T must be positive"),
+    (("run", "--impl", "fla", "--segments", "4"), "--segments must be positive"),
+    (("run", "--impl", "jaxcp", "--segments", "0"), "--segments must be positive")])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     partial = tmp_path / "partial.csv"
     partial.write_text(ncu_csv([("k", 1, 2, 3, 4)]).replace(kernels.TIME, "sm__cycles.sum"))

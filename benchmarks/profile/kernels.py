@@ -22,6 +22,9 @@ no ncu, the kernels run as in the benchmark, and it prints the per-kernel time t
 
     python -m benchmarks.profile.kernels run --timeline --impl jaxcp --op kda --T 32768 --H 64 --D 128
 
+`--segments S` runs jaxcp's op with each sequence as S segments (``jaxcp.cp.segments``;
+default: the op's own choice), to see what the split's kernels cost.
+
 FLA autotunes its kernels on their first calls, which under ncu ran past 150 s at T = 8192,
 H = 64: run `run --impl fla` (or the benchmark) once without ncu first, on the same machine.
 FLA keeps its autotuning results in triton's disk cache (its FLA_CACHE_RESULTS default), and
@@ -125,6 +128,9 @@ def _parser():
         run.add_argument(flag, type=int, default=default)
     run.add_argument("--timeline", action="store_true",
                      help="record the kernels with torch's profiler, not under ncu")
+    run.add_argument("--segments", type=int, default=None,
+                     help="jaxcp: run the sequence as this many segments (default: the op's "
+                          "choice; jaxcp.cp.segments)")
     table = sub.add_parser("table", help="per-kernel tables from ncu CSVs")
     table.add_argument("runs", nargs="+", metavar="LABEL=CSV")
     return ap
@@ -166,14 +172,15 @@ def _timeline(call, label: str) -> None:
     print(times_markdown(label, kernels))
 
 
-def _run_jaxcp(op: str, T: int, H: int, D: int, profiled) -> None:
+def _run_jaxcp(op: str, T: int, H: int, D: int, profiled, segments: int | None) -> None:
     import jax
     from benchmarks.bench.kernels import jaxcp_inputs, jaxcp_op
     from benchmarks.timing import forward_backward
 
     q, k, v, g, beta, do = jaxcp_inputs(op, T, H, D)
     op_fn = jaxcp_op(op)
-    call = lambda *xs: op_fn(*xs, use_qk_l2norm_in_kernel=True, backend="pallas")[0]
+    call = lambda *xs: op_fn(*xs, use_qk_l2norm_in_kernel=True, backend="pallas",
+                             segments=segments)[0]
     step = jax.jit(forward_backward(call, range(5), do))
     profiled(lambda: jax.block_until_ready(step(q, k, v, g, beta)))
 
@@ -216,14 +223,20 @@ def main(argv=None) -> int:
     for flag in ("T", "H", "D"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be positive")
+    if args.segments is not None and (args.impl != "jaxcp" or args.segments < 1):
+        ap.error("--segments must be positive and is for --impl jaxcp")
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         ap.error("run needs an NVIDIA GPU (libcuda.so.1 not found)")
-    profiled = (partial(_timeline, label=f"{args.impl} {args.op} T={args.T} H={args.H} "
-                                         f"D={args.D}") if args.timeline else _profiled)
-    (_run_jaxcp if args.impl == "jaxcp" else _run_fla)(args.op, args.T, args.H, args.D,
-                                                        profiled)
+    label = f"{args.impl} {args.op} T={args.T} H={args.H} D={args.D}"
+    if args.segments is not None:
+        label += f" segments={args.segments}"
+    profiled = partial(_timeline, label=label) if args.timeline else _profiled
+    if args.impl == "jaxcp":
+        _run_jaxcp(args.op, args.T, args.H, args.D, profiled, args.segments)
+    else:
+        _run_fla(args.op, args.T, args.H, args.D, profiled)
     return 0
 
 
