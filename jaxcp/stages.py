@@ -177,10 +177,13 @@ def _kda_precision(opts: StageOptions):
     # and attn rounded to bf16 put o at 1e-2 of the reference, 1.6e-3 with all five float32
     # (docs/precision.md).
     # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
-    # the state recurrences' TF32 products, at half the bytes (docs/precision.md)
+    # the state recurrences' TF32 products, at half the bytes (docs/precision.md); the
+    # states and cotangents then meet them as scaled float16 products, as precise as TF32
+    # ones at twice their rate (``products.scaled_float16_dot``)
     tile_dtype = jnp.float16 if opts.unit_qk and not precise else jnp.float32
     return KernelPrecision(dot_dtype=jnp.float32, tile_dtype=tile_dtype, precise=precise,
-                           products=Fp32Products.for_inputs(opts.dot_dtype))
+                           products=Fp32Products.for_inputs(opts.dot_dtype),
+                           scaled_float16=tile_dtype == jnp.float16)
 
 
 def _pallas_state_stages(opts: StageOptions, precision, out_dtype=None) -> dict:
@@ -191,7 +194,11 @@ def _pallas_state_stages(opts: StageOptions, precision, out_dtype=None) -> dict:
     kw = dict(gate=opts.gate, token_major=True, interpret=opts.interpret,
               precision=precision)
     stages = {name: partial(getattr(state, name), **kw) for name in (
-        "state_fwd", "state_last", "cp_summary", "state_bwd")}
+        "state_last", "cp_summary", "state_bwd")}
+    # state_fwd, which stores h and v_new every chunk, took longer with scaled float16
+    # products (KDA, H200: 2.14 -> 2.84 ms; docs/benchmarks/kernels_kda.md)
+    stages["state_fwd"] = partial(state.state_fwd, **dict(
+        kw, precision=replace(precision, scaled_float16=False)))
     return dict(stages, state_output=partial(state.state_output, tokens=opts.tokens,
                                              out_dtype=out_dtype, **kw))
 

@@ -141,6 +141,25 @@ def test_split_per_program_is_the_unsplit_product_where_false():
                          - dot(tile, state, interpret=True)).max()) > 0
 
 
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-6, 1.0, 1e6, 1e30])
+def test_scaled_float16_products_keep_tf32_digits_at_every_magnitude(magnitude):
+    """``scaled_float16_dot`` of a float16 tile and an fp32 operand, on either side: within
+    TF32's rounding of the fp32 product at magnitudes from 1e-30 to 1e30 (float16 alone
+    spans 6e-8 to 65504); zeros give zeros, a NaN a non-finite product."""
+    from jaxcp.pallas.triton.common.products import scaled_float16_dot
+    rng = np.random.default_rng(6)
+    tile = jnp.asarray(rng.uniform(-1, 1, (64, 32)), jnp.float16)
+    x = jnp.asarray(rng.standard_normal((32, 16)) * magnitude, jnp.float32)
+    exact = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                 precision=jax.lax.Precision.HIGHEST)
+    for got, want in ((scaled_float16_dot(tile, x), exact(tile, x)),
+                      (scaled_float16_dot(x.T, tile.T), exact(x.T, tile.T))):
+        assert_rel(got, want, 2e-3, "scaled float16 product")
+    zeros = jnp.zeros_like(x)
+    chex.assert_trees_all_equal(scaled_float16_dot(tile, zeros), exact(tile, zeros))
+    assert not bool(jnp.isfinite(scaled_float16_dot(tile, x.at[3, 4].set(jnp.nan))).any())
+
+
 def test_unused_summaries_are_zero():
     """A summary nobody reads (the last device's (S_ext, M), the first device's entry
     cotangent) is zero in both twins; the kernels run no chunk for it (the state kernels

@@ -2,7 +2,8 @@
 keep their digits on tensor cores.
 
 fp32 x fp32 runs as 3xTF32 on tensor cores (~1e-7 relative per product); bf16 tiles meet
-fp32 ones either rounded to bf16 or as two bf16 parts (hi + lo, ~2^-16 relative). Interpret
+fp32 ones either rounded to bf16 or as two bf16 parts (hi + lo, ~2^-16 relative); float16
+tiles meet them as TF32 or as scaled float16 products (``scaled_float16_dot``). Interpret
 mode (CPU) computes IEEE fp32. Also the block products of [C, d] tiles (``gram``,
 ``sum_dots``) and the inverse (I + A)^-1 of a strictly lower A (``unit_lower_inverse``).
 """
@@ -47,11 +48,14 @@ class KernelPrecision:
     tile_dtype: the terms' tiles as stored and read (float16: TF32's mantissa, half the bytes).
     precise: fp32 products at `products`; else bf16 and TF32 ones, for bf16-stored results.
     products: how precise fp32 products run on tensor cores (``Fp32Products``).
+    scaled_float16: float16 tiles meet the state kernels' fp32 operands (states, v_new,
+    cotangents) as ``scaled_float16_dot`` products instead of TF32 ones.
     """
     dot_dtype: Any = jnp.float32
     tile_dtype: Any = jnp.float32
     precise: bool = True
     products: Fp32Products = Fp32Products.TF32X3
+    scaled_float16: bool = False
 
 
 def fp32_precision(interpret: bool, products: Fp32Products = Fp32Products.TF32X3):
@@ -63,6 +67,28 @@ def bf16_dot(a, b):
     """a @ b of both operands rounded to bf16, fp32 accumulation."""
     return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                    preferred_element_type=jnp.float32)
+
+
+def scaled_float16_dot(a, b):
+    """a @ b of a float16 tile and an fp32 operand x (either side), fp32 accumulation: x
+    divided by s, the power of two at or above its largest magnitude, rounded to float16,
+    the product times s. Scaling by s is exact and puts every entry of x / s within
+    [-1, 1], so no magnitude of x overflows float16; an entry keeps float16's 11
+    significant bits (2^-12 relative, rounded to nearest; TF32 products keep as many) down
+    to 2^-14 of x's largest, and below that an absolute error under 2^-25 of it, which the
+    products' sums do not see next to that entry's own contribution. Twice a TF32
+    product's rate, and the float16 tile enters as it is stored. A NaN or infinity in x
+    makes the whole product non-finite, as it makes the product's rows or columns
+    non-finite in TF32."""
+    x = a if a.dtype == jnp.float32 else b
+    largest = jnp.maximum(jnp.max(jnp.abs(x)), jnp.float32(1e-30))
+    s = jnp.exp2(jnp.ceil(jnp.log2(largest)))
+    scaled = (x * (1.0 / s)).astype(jnp.float16)
+    if a.dtype == jnp.float32:
+        a, b = scaled, b.astype(jnp.float16)
+    else:
+        a, b = a.astype(jnp.float16), scaled
+    return jnp.dot(a, b, preferred_element_type=jnp.float32) * s
 
 
 def _two_parts(x, split):
@@ -88,17 +114,21 @@ def _split_dot(a, b, split, product, tile_dtype):
     return product(a, hi) + product(a, lo)
 
 
-def dot(a, b, interpret: bool, split=False, products: Fp32Products = Fp32Products.TF32X3):
+def dot(a, b, interpret: bool, split=False, products: Fp32Products = Fp32Products.TF32X3,
+        scaled_float16: bool = False):
     """a @ b with fp32 accumulation. fp32 x fp32 runs at ``fp32_precision`` (`products`).
     An fp32 operand meeting a bf16 tile is rounded to bf16, or with split taken as two bf16
     parts x = hi + lo (two bf16 products, x kept to ~2^-16 relative; 3xTF32 would cost
     three TF32 products, each at half the bf16 rate). A float16 tile (bf16 inputs: TF32
     `products`) meets an fp32 operand as fp32, exact: float16 holds the 10-bit mantissa of
     a TF32 operand; with split, on the GPU, as two TF32 products of the operand's parts,
-    ~2^-20 relative, where 3xTF32 would spend a third product on the tile's zero low part.
+    ~2^-20 relative, where 3xTF32 would spend a third product on the tile's zero low part;
+    unsplit with scaled_float16, on the GPU, as ``scaled_float16_dot``.
     split may be a traced bool scalar (it differs between the programs of
     ``state.cp_summary``): where false, the result is the unsplit product's."""
     if jnp.float16 in (a.dtype, b.dtype) and jnp.float32 in (a.dtype, b.dtype):
+        if split is False and scaled_float16 and not interpret:
+            return scaled_float16_dot(a, b)
         if split is not False and not interpret:
             tf32 = partial(jnp.dot, preferred_element_type=jnp.float32,
                            precision=Fp32Products.TF32.value)

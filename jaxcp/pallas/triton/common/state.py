@@ -237,7 +237,7 @@ _FwdRefs = refs_type("_FwdRefs", "w kd decay starts seq carry last",
 
 
 def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, products,
-                transition_from=None):
+                scaled_float16, transition_from=None):
     """transition_from: the programs from this column block on run the transition M (u = 0,
     no initial states: their columns of carry are the identity's), and only they take
     split_state."""
@@ -246,7 +246,8 @@ def _fwd_kernel(*refs, names, nt, gate, split_state, token_major, interpret, pro
                   else pl.program_id(2) >= transition_from)
     if transition_from is not None and split_state:
         split_state = transition          # the transition's programs only
-    mul = lambda a, b: dot(a, b, interpret=interpret, split=split_state, products=products)
+    mul = lambda a, b: dot(a, b, interpret=interpret, split=split_state, products=products,
+                           scaled_float16=scaled_float16)
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
@@ -344,7 +345,8 @@ def _run_forward(terms: ChunkTerms, layout: ChunkLayout, init, h0, *, gate: Gate
                 params=c.blocks.params(interpret, tile_bytes),
                 aliases={"finals_zeros": "finals"} if with_finals else None, nt=NT,
                 gate=gate, split_state=split_state, token_major=token_major,
-                interpret=interpret, products=precision.products)[0]
+                interpret=interpret, products=precision.products,
+                scaled_float16=precision.scaled_float16)[0]
 
 
 def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, token_major=False,
@@ -359,7 +361,8 @@ def state_output(terms, layout, init, h0, with_finals: bool, *, gate: Gate, toke
     qg and attn in its tile_dtype, u in its dot_dtype, and fp32 tiles meet the fp32 state
     at its products (``products.dot``). A float16 tile_dtype with float32 dot_dtype and
     TF32 products: the 10-bit mantissa a TF32 product keeps of them anyway, at half the
-    bytes, for terms whose magnitudes fit float16. tokens: T,
+    bytes, for terms whose magnitudes fit float16 (with precision.scaled_float16, the
+    products are ``products.scaled_float16_dot``). tokens: T,
     the length of a token-major o from plain terms (KDA's; row-factored terms carry it)."""
     out = _run_forward(terms, layout, init, h0, gate=gate, u_cols=True, store_h=False,
                        interpret=interpret, precision=precision, with_output=True,
@@ -461,7 +464,8 @@ def cp_summary(terms, layout, init, *, gate: Gate, unused=None, token_major=Fals
     last = call(_fwd_kernel, (B, HV, (V + K) // BV), ins, outs, name="cp_summary",
                 params=c.blocks.params(interpret, tile_bytes), nt=NT, gate=gate,
                 split_state=True, token_major=token_major, interpret=interpret,
-                products=precision.products, transition_from=n_ext)[0]["last"]
+                products=precision.products, scaled_float16=precision.scaled_float16,
+                transition_from=n_ext)[0]["last"]
     return last[..., :V], last[..., V:]
 
 
@@ -469,9 +473,11 @@ _BwdRefs = refs_type("_BwdRefs", "w kd decay starts seq qg attn do ends carry d_
                       "token_start token_count k_rows q_rows d_final span d_init_zeros x dvn d_init")
 
 
-def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products, dot_dtype):
+def _bwd_kernel(*refs, names, nt, gate, token_major, interpret, products, scaled_float16,
+                dot_dtype):
     r = named(_BwdRefs, names, refs)
-    mul = lambda a, b: dot(a, b, interpret=interpret, products=products)
+    mul = lambda a, b: dot(a, b, interpret=interpret, products=products,
+                           scaled_float16=scaled_float16)
     rows = _token_rows(r, token_major, r.w.shape[1])
     qk_rows = rows if r.k_rows is not None else None
 
@@ -560,6 +566,7 @@ def state_bwd(terms: ChunkTerms, layout: ChunkLayout, do, d_final, d_last, *, ga
                params=c.blocks.params(interpret, tile_bytes),
                aliases={"d_init_zeros": "d_init"} if with_d_init else None, nt=NT, gate=gate,
                token_major=token_major, interpret=interpret, products=precision.products,
+               scaled_float16=precision.scaled_float16,
                dot_dtype=jnp.dtype(dot_dtype))[0]
     if entry_only:
         return out["d_entry"]
