@@ -160,6 +160,24 @@ def test_scaled_float16_products_keep_tf32_digits_at_every_magnitude(magnitude):
     assert not bool(jnp.isfinite(scaled_float16_dot(tile, x.at[3, 4].set(jnp.nan))).any())
 
 
+def test_scaled_float16_products_within_their_bound_where_columns_lie_far_apart():
+    """A block whose columns lie 2^20 apart: the small columns keep only an absolute error
+    under 2^-25 of the block's largest entry, each product entry within
+    sum_k |t_k| (2^-12 |x_k| + 2^-25 max |x|) of float32 (``scaled_float16_dot``)."""
+    from jaxcp.pallas.triton.common.products import scaled_float16_dot
+    rng = np.random.default_rng(7)
+    tile = jnp.asarray(rng.uniform(-1, 1, (64, 32)), jnp.float16)
+    x = rng.standard_normal((32, 16)) * np.where(np.arange(16) < 8, 1.0, 2.0 ** -20)
+    x = jnp.asarray(x, jnp.float32)
+    t32 = np.abs(np.asarray(tile, np.float64))
+    want = np.asarray(tile, np.float64) @ np.asarray(x, np.float64)
+    bound = t32 @ (2.0 ** -12 * np.abs(np.asarray(x, np.float64))
+                   + 2.0 ** -25 * float(jnp.abs(x).max()))
+    err = np.abs(np.asarray(scaled_float16_dot(tile, x), np.float64) - want)
+    assert float((err / bound).max()) <= 1.0
+    assert float(err[:, 8:].max()) > 0      # the small columns do lose bits
+
+
 def test_unused_summaries_are_zero():
     """A summary nobody reads (the last device's (S_ext, M), the first device's entry
     cotangent) is zero in both twins; the kernels run no chunk for it (the state kernels

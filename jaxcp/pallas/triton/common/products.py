@@ -73,13 +73,13 @@ def scaled_float16_dot(a, b):
     """a @ b of a float16 tile and an fp32 operand x (either side), fp32 accumulation: x
     divided by s, the power of two at or above its largest magnitude, rounded to float16,
     the product times s. Scaling by s is exact and puts every entry of x / s within
-    [-1, 1], so no magnitude of x overflows float16; an entry keeps float16's 11
-    significant bits (2^-12 relative, rounded to nearest; TF32 products keep as many) down
-    to 2^-14 of x's largest, and below that an absolute error under 2^-25 of it, which the
-    products' sums do not see next to that entry's own contribution. Twice a TF32
-    product's rate, and the float16 tile enters as it is stored. A NaN or infinity in x
-    makes the whole product non-finite, as it makes the product's rows or columns
-    non-finite in TF32."""
+    [-1, 1], so no magnitude of x overflows float16. An entry within 2^14 of x's largest
+    keeps float16's 11 significant bits (2^-12 relative, rounded to nearest; TF32 keeps as
+    many); a smaller one keeps an absolute error under 2^-25 of the largest, fewer bits of
+    its own: each product entry is off by at most sum_k |t_k| (2^-12 |x_k| + 2^-25 max |x|)
+    for the tile's entries t_k it sums over. Twice a TF32 product's rate, and the float16
+    tile enters as it is stored. A NaN or infinity in x makes the whole product non-finite,
+    as it makes the product's rows or columns non-finite in TF32."""
     x = a if a.dtype == jnp.float32 else b
     largest = jnp.maximum(jnp.max(jnp.abs(x)), jnp.float32(1e-30))
     s = jnp.exp2(jnp.ceil(jnp.log2(largest)))
