@@ -279,7 +279,8 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     gated sums (their two kernels apart) and the cotangent kernels under ``ChunkBlocks``
     (columns per block, warps, pipeline stages, the sub-chunk kernels' launch order),
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
-    bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, and reading
+    bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, with TF32
+    products where scaled float16 ones ship (and the other way for state_fwd), and reading
     float32 tiles (``state_output``'s tile_dtype); and the stages that read q, k with the
     norm in the kernels (normalize_qk) from the raw bf16 q, k, v (raw) in place of the
     XLA-normalised float32 copies. bounded: G of the gates clipped to -5. A variant that
@@ -363,16 +364,25 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:],
                               **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
-    state_precision = KernelPrecision(tile_dtype=terms.w.dtype, products=products)
+    # as the stage table runs them: scaled float16 products on float16 tiles, but state_fwd
+    state_precision = KernelPrecision(tile_dtype=terms.w.dtype, products=products,
+                                      scaled_float16=terms.w.dtype == jnp.float16)
     kw = dict(gate=Gate.CHANNEL, token_major=True, precision=state_precision,
               interpret=interpret)
 
-    def state_variants(how, stage_terms, stages, **options):
-        """Rows "<stage> <how>" of the named state recurrences with options over kw."""
+    def state_variants(how, stage_terms, stages, flip_scaled=False, **options):
+        """Rows "<stage> <how>" of the named state recurrences with options over kw
+        (flip_scaled: scaled float16 products where the stage table runs TF32 ones, and
+        the other way)."""
         kernel_kw = dict(kw, **options)
+        shipped_fwd = replace(kernel_kw["precision"], scaled_float16=False)
+        if flip_scaled:
+            kernel_kw["precision"] = replace(kernel_kw["precision"], scaled_float16=False)
+            shipped_fwd = replace(shipped_fwd, scaled_float16=True)
+        fwd_kw = dict(kernel_kw, precision=shipped_fwd)
         runs = {"state_output": lambda t: pstate.state_output(
                     t, layout, None, h0, False, tokens=do.shape[1], **kernel_kw)[0],
-                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **kernel_kw),
+                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **fwd_kw),
                 "state_bwd": lambda t, d: pstate.state_bwd(t, layout, d, None, h0,
                                                            **kernel_kw)}
         for stage in stages:
@@ -380,6 +390,9 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
             variant(f"{stage} {how}", runs[stage], *args)
 
     all_three = ("state_output", "state_fwd", "state_bwd")
+    if state_precision.scaled_float16:
+        state_variants("with TF32 products (state_fwd: scaled float16)", terms, all_three,
+                       flip_scaled=True)
     for how, p in other_products:
         state_variants(how, terms, ("state_output", "state_bwd"),
                        precision=replace(state_precision, products=p))
