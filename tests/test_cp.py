@@ -213,21 +213,24 @@ def _sequence(out, grads, s: slice, n: int):
     return (o[:, s], final[n], *(x[:, s] for x in (dq, dk, dv, dg, dbeta)), dh0[n])
 
 
-@pytest.mark.parametrize("kind, strategy, cp_layout, backend, segments", [
-    (kind, *case) for kind in ("gdn", "kda") for case in (
+@pytest.mark.parametrize("kind, strategy, cp_layout, backend, segments, dtype", [
+    (kind, *case, "float32") for kind in ("gdn", "kda") for case in (
         ("allgather", "contiguous", None, None), ("allgather", "zigzag", None, None),
         ("relay", "contiguous", None, None), ("all_to_all", "contiguous", None, None),
         (None, None, None, None))]
-    + [("kda", "allgather", "contiguous", None, 2), ("gdn", None, None, None, 4),
-       ("kda", "allgather", "zigzag", "interpret", None)])
-def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend, segments):
+    + [("kda", "allgather", "contiguous", None, 2, "float32"),
+       ("gdn", None, None, None, 4, "float32"),
+       ("kda", "allgather", "zigzag", "interpret", None, "float32"),
+       ("kda", None, None, "interpret", None, "bfloat16")])
+def test_cp_sequences_are_isolated(kind, strategy, cp_layout, backend, segments, dtype):
     """A NaN or Inf in one packed sequence reaches no other: B's o, final state and every
     gradient are finite and those of the run without them (a sequence start selects, never
     multiplies by zero: ``cp.merge``), for both gates, every strategy and one device, with
     and without segments (``cp.segments``); the Pallas kernels (KDA's, in interpret mode,
-    with check_vma off as above) once."""
+    with check_vma off as above) under CP, and on one device with bf16 inputs, whose state
+    kernels take scaled float16 products (one scale per block of a chunk)."""
     cu = jnp.asarray([0, 30, 100, 160], jnp.int32)
-    args = make_inputs(kind, 1, 160, 4, 4, 16, 16, n_states=3, seed=41)
+    args = make_inputs(kind, 1, 160, 4, 4, 16, 16, n_states=3, seed=41, dtype=dtype)
     wo, wf = cotangents(args[2].shape, args[5].shape)
     kw = dict(backend=backend, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, segments=segments)
     if strategy is None:         # one device

@@ -4,7 +4,8 @@ keep their digits on tensor cores.
 fp32 x fp32 runs as 3xTF32 on tensor cores (~1e-7 relative per product); bf16 tiles meet
 fp32 ones either rounded to bf16 or as two bf16 parts (hi + lo, ~2^-16 relative); float16
 tiles meet them as TF32 or as scaled float16 products (``scaled_float16_dot``). Interpret
-mode (CPU) computes IEEE fp32. Also the block products of [C, d] tiles (``gram``,
+mode (CPU) computes IEEE fp32 where the GPU runs TF32 products, and the GPU's bf16 and
+float16 roundings as they are. Also the block products of [C, d] tiles (``gram``,
 ``sum_dots``) and the inverse (I + A)^-1 of a strictly lower A (``unit_lower_inverse``).
 """
 from __future__ import annotations
@@ -123,11 +124,12 @@ def dot(a, b, interpret: bool, split=False, products: Fp32Products = Fp32Product
     `products`) meets an fp32 operand as fp32, exact: float16 holds the 10-bit mantissa of
     a TF32 operand; with split, on the GPU, as two TF32 products of the operand's parts,
     ~2^-20 relative, where 3xTF32 would spend a third product on the tile's zero low part;
-    unsplit with scaled_float16, on the GPU, as ``scaled_float16_dot``.
+    unsplit with scaled_float16 as ``scaled_float16_dot`` (in interpret mode too: its
+    roundings are float16's, the GPU's).
     split may be a traced bool scalar (it differs between the programs of
     ``state.cp_summary``): where false, the result is the unsplit product's."""
     if jnp.float16 in (a.dtype, b.dtype) and jnp.float32 in (a.dtype, b.dtype):
-        if split is False and scaled_float16 and not interpret:
+        if split is False and scaled_float16:
             return scaled_float16_dot(a, b)
         if split is not False and not interpret:
             tf32 = partial(jnp.dot, preferred_element_type=jnp.float32,
