@@ -178,12 +178,23 @@ def _kda_precision(opts: StageOptions):
     # (docs/precision.md).
     # w, qg, kd and attn in float16 for bf16 inputs with unit q, k rows: the mantissa of
     # the state recurrences' TF32 products, at half the bytes (docs/precision.md); the
-    # states and cotangents then meet them as scaled float16 products, as precise as TF32
-    # ones at twice their rate (``products.scaled_float16_dot``)
+    # states and cotangents then meet them as scaled float16 products at twice TF32's rate,
+    # with TF32's digits within 2^14 of a block's largest entry
+    # (``products.scaled_float16_dot``; ``state_kernel_precision``)
     tile_dtype = jnp.float16 if opts.unit_qk and not precise else jnp.float32
     return KernelPrecision(dot_dtype=jnp.float32, tile_dtype=tile_dtype, precise=precise,
                            products=Fp32Products.for_inputs(opts.dot_dtype),
                            scaled_float16=tile_dtype == jnp.float16)
+
+
+def state_kernel_precision(kernel: str, precision):
+    """The ``KernelPrecision`` of the state kernel `kernel` (``common.state``'s function
+    names) in a stage set of `precision`: state_fwd, which stores h and v_new every chunk,
+    keeps TF32 products where the others take scaled float16 ones (it took longer with
+    them: KDA, H200, 2.14 -> 2.84 ms; docs/benchmarks/kernels_kda.md)."""
+    if kernel == "state_fwd":
+        return replace(precision, scaled_float16=False)
+    return precision
 
 
 def _pallas_state_stages(opts: StageOptions, precision, out_dtype=None) -> dict:
@@ -191,16 +202,12 @@ def _pallas_state_stages(opts: StageOptions, precision, out_dtype=None) -> dict:
     precision (``products.KernelPrecision``); out_dtype: o's dtype where not that of the
     terms' u."""
     from jaxcp.pallas.triton.common import state
-    kw = dict(gate=opts.gate, token_major=True, interpret=opts.interpret,
-              precision=precision)
-    stages = {name: partial(getattr(state, name), **kw) for name in (
-        "state_last", "cp_summary", "state_bwd")}
-    # state_fwd, which stores h and v_new every chunk, took longer with scaled float16
-    # products (KDA, H200: 2.14 -> 2.84 ms; docs/benchmarks/kernels_kda.md)
-    stages["state_fwd"] = partial(state.state_fwd, **dict(
-        kw, precision=replace(precision, scaled_float16=False)))
+    kw = lambda name: dict(gate=opts.gate, token_major=True, interpret=opts.interpret,
+                           precision=state_kernel_precision(name, precision))
+    stages = {name: partial(getattr(state, name), **kw(name)) for name in (
+        "state_fwd", "state_last", "cp_summary", "state_bwd")}
     return dict(stages, state_output=partial(state.state_output, tokens=opts.tokens,
-                                             out_dtype=out_dtype, **kw))
+                                             out_dtype=out_dtype, **kw("state_output")))
 
 
 def _pallas_gdn_stages(opts: StageOptions) -> Stages:

@@ -178,6 +178,19 @@ def test_scaled_float16_products_within_their_bound_where_columns_lie_far_apart(
     assert float(err[:, 8:].max()) > 0      # the small columns do lose bits
 
 
+def test_kda_state_kernels_take_scaled_float16_products_but_state_fwd():
+    """KDA's bf16 stages with unit q, k (float16 tiles): scaled float16 products in every
+    state kernel but state_fwd; none with float32 tiles or for GDN."""
+    from jaxcp.stages import StageOptions, _kda_precision, _gdn_precision, state_kernel_precision
+    kernels = ("state_output", "state_fwd", "state_last", "cp_summary", "state_bwd")
+    scaled = lambda p: [state_kernel_precision(name, p).scaled_float16 for name in kernels]
+    opts = lambda gate, unit: StageOptions("pallas", gate, "bfloat16", chunk_size=64,
+                                           unit_qk=unit)
+    assert scaled(_kda_precision(opts(Gate.CHANNEL, True))) == [True, False, True, True, True]
+    assert not any(scaled(_kda_precision(opts(Gate.CHANNEL, False))))
+    assert not any(scaled(_gdn_precision(opts(Gate.SCALAR, True))))
+
+
 def test_unused_summaries_are_zero():
     """A summary nobody reads (the last device's (S_ext, M), the first device's entry
     cotangent) is zero in both twins; the kernels run no chunk for it (the state kernels

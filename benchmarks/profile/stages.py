@@ -293,6 +293,7 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
     from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision
     from jaxcp.pallas.triton.kda import grads as kda_grads, intra as kda_intra
+    from jaxcp.stages import state_kernel_precision
 
     def variant(name, fn, *a):
         timed_variant("variant: " + name, fn, *a)
@@ -364,27 +365,29 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:],
                               **dict(normed_kw, **as_shipped))),
         *raw_xs, terms, h, vn, x, dvn, do)
-    # as the stage table runs them: scaled float16 products on float16 tiles, but state_fwd
+    # as the stage table runs them: scaled float16 products on float16 tiles
     state_precision = KernelPrecision(tile_dtype=terms.w.dtype, products=products,
                                       scaled_float16=terms.w.dtype == jnp.float16)
     kw = dict(gate=Gate.CHANNEL, token_major=True, precision=state_precision,
               interpret=interpret)
 
     def state_variants(how, stage_terms, stages, flip_scaled=False, **options):
-        """Rows "<stage> <how>" of the named state recurrences with options over kw
-        (flip_scaled: scaled float16 products where the stage table runs TF32 ones, and
-        the other way)."""
-        kernel_kw = dict(kw, **options)
-        shipped_fwd = replace(kernel_kw["precision"], scaled_float16=False)
-        if flip_scaled:
-            kernel_kw["precision"] = replace(kernel_kw["precision"], scaled_float16=False)
-            shipped_fwd = replace(shipped_fwd, scaled_float16=True)
-        fwd_kw = dict(kernel_kw, precision=shipped_fwd)
+        """Rows "<stage> <how>" of the named state recurrences with options over kw, each
+        at its stage-table precision (``state_kernel_precision``); flip_scaled: scaled
+        float16 products where the stage table runs TF32 ones, and the other way."""
+        def stage_kw(stage):
+            kernel_kw = dict(kw, **options)
+            p = state_kernel_precision(stage, kernel_kw["precision"])
+            if flip_scaled:
+                p = replace(p, scaled_float16=not p.scaled_float16)
+            return dict(kernel_kw, precision=p)
         runs = {"state_output": lambda t: pstate.state_output(
-                    t, layout, None, h0, False, tokens=do.shape[1], **kernel_kw)[0],
-                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0, **fwd_kw),
+                    t, layout, None, h0, False, tokens=do.shape[1],
+                    **stage_kw("state_output"))[0],
+                "state_fwd": lambda t: pstate.state_fwd(t, layout, None, h0,
+                                                        **stage_kw("state_fwd")),
                 "state_bwd": lambda t, d: pstate.state_bwd(t, layout, d, None, h0,
-                                                           **kernel_kw)}
+                                                           **stage_kw("state_bwd"))}
         for stage in stages:
             args = (stage_terms, do) if stage == "state_bwd" else (stage_terms,)
             variant(f"{stage} {how}", runs[stage], *args)
