@@ -16,7 +16,8 @@ from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
 from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision, dots
 from jaxcp.pallas.triton.gdn import grads as pgdn_grads, intra as pgdn_intra
 from jaxcp.pallas.triton.kda import gate_cumsum, grads as pkda_grads, intra as pkda_intra
-from jaxcp.stages import StageOptions, stages_for
+from jaxcp.stages import (StageOptions, _gdn_precision, _kda_precision, stages_for,
+                          state_kernel_precision)
 from helpers import assert_rel, make_inputs, rel_err
 
 KINDS = ["gdn", "kda"]
@@ -181,7 +182,6 @@ def test_scaled_float16_products_within_their_bound_where_columns_lie_far_apart(
 def test_kda_state_kernels_take_scaled_float16_products_but_state_fwd():
     """KDA's bf16 stages with unit q, k (float16 tiles): scaled float16 products in every
     state kernel but state_fwd; none with float32 tiles or for GDN."""
-    from jaxcp.stages import StageOptions, _kda_precision, _gdn_precision, state_kernel_precision
     kernels = ("state_output", "state_fwd", "state_last", "cp_summary", "state_bwd")
     scaled = lambda p: [state_kernel_precision(name, p).scaled_float16 for name in kernels]
     opts = lambda gate, unit: StageOptions("pallas", gate, "bfloat16", chunk_size=64,

@@ -68,11 +68,12 @@ class StateBlocks:
     def kda(cls, kernel: str, K: int, V: int, heads: int) -> "StateBlocks":
         """KDA's state recurrences (float32 state, TF32 or scaled float16 products for bf16
         inputs, float16 w, qg, kd, attn): per kernel (``common.state``'s kernel names), K,
-        V and heads (B HV, the programs per block of state columns). 32 state columns per program, but
-        state_bwd at K <= 128 takes 64 with 8 warps where that still gives FULL_GRID
-        programs, state_fwd at K = 256 takes 16 (more programs), and the op's three
-        recurrences take 16 where 32 give fewer than FULL_GRID programs (few heads). The
-        measurements: docs/benchmarks/kernels_kda.md, "Launch configurations measured"."""
+        V and heads (B HV, the programs per block of state columns). 32 state columns per
+        program, but state_bwd at K <= 128 takes 64 with 8 warps where that still gives
+        FULL_GRID programs, state_fwd at K = 256 takes 16 (more programs), and the op's
+        three recurrences take 16 where 32 give fewer than FULL_GRID programs (few heads).
+        The measurements: docs/benchmarks/kernels_kda.md, "Launch configurations
+        measured"."""
         if kernel == "state_bwd" and K <= 128 and heads * (V // 64) >= FULL_GRID:
             return cls(block_cols=64, num_warps=8)
         if kernel == "state_fwd" and K > 128:
