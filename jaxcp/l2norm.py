@@ -15,3 +15,9 @@ def l2_row_scales(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
 def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     """x / sqrt(sum(x^2, -1) + eps), computed in float32; the shape of x is kept."""
     return x.astype(jnp.float32) * l2_row_scales(x, eps)[..., None]
+
+
+def normalized_copy(x: jax.Array, dtype) -> jax.Array:
+    """l2_normalize(x) in dtype: the op's unit-row copy of q or k by XLA (the Pallas stages
+    make it with one kernel each way, ``pallas.triton.common.l2norm``)."""
+    return l2_normalize(x).astype(dtype)

@@ -15,7 +15,6 @@ from jaxcp.cp.segments import (choose_segments, from_rows, rows_from_chunks, row
 from jaxcp.cp.split import axis_pieces
 from jaxcp.cp.strategies import ContextParallel, run_sharded
 from jaxcp.gate import Gate, decay_from_raw
-from jaxcp.l2norm import l2_normalize
 from jaxcp.layout import num_chunks
 from jaxcp.stages import implementation, resolve_backend, stage_options
 
@@ -69,11 +68,10 @@ def _local_op(gate: Gate, q, k, v, g, beta, initial_state, exchange: Exchange | 
                          chunk_size=chunk_size, gate_bound=gate_bound, tokens=segment_len)
     cfg = CoreConfig(scale, output_final_state, opts, exchange, S)
 
-    q, k = f32(q), f32(k)
     normalised_here = use_qk_l2norm_in_kernel and not opts.normalize_qk
-    if normalised_here:
-        q, k = l2_normalize(q), l2_normalize(k)
     qk_dtype = impl.qk_dtype(opts.dot_dtype, unit_rows=normalised_here)
+    if normalised_here:
+        q, k = (cfg.stages.unit_rows(x, qk_dtype) for x in (q, k))
     q, k = (jnp.repeat(x.astype(qk_dtype), HV // H, axis=2) for x in (q, k))
     pieces_in, layouts, unchunks = [], [], []
     for p in local:

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from jaxcp import xla
 from jaxcp.gate import Gate
+from jaxcp.l2norm import normalized_copy
 
 BACKENDS = ("xla", "pallas", "interpret", "mosaic")
 
@@ -62,7 +63,9 @@ class Stages(NamedTuple):
     ``keep(terms)``, what the forward keeps of its terms (from ``intra(...,
     with_inverse=True)``; None: nothing), and ``intra_again(q, k, v, g, beta, scale,
     layout, kept)``, the terms with the inverse again, from the kept ones (Pallas GDN: only
-    w and u are recomputed) or from scratch."""
+    w and u are recomputed) or from scratch; ``unit_rows(x, dtype)``, the L2-normalised copy
+    of q or k [B, T, H, K] in dtype that the op makes where the kernels do not normalise
+    (``l2norm.normalized_copy``; the Pallas stages: ``common.l2norm.l2_normalized``)."""
     gate: Callable
     intra: Callable
     keep: Callable
@@ -73,6 +76,7 @@ class Stages(NamedTuple):
     cp_summary: Callable
     state_bwd: Callable
     chunk_grads: Callable
+    unit_rows: Callable
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,13 @@ class StageOptions:
 @dataclass(frozen=True)
 class Implementation:
     """backend, gate: the table key. token_major: reads and writes the token tensors in place
-    (see the module docstring). normalize_max_k: the kernels L2-normalise q, k themselves
-    for K up to this (0: never; the op normalises with XLA first). narrow_qk, narrow_v: q
-    and k, and v, reach the kernels in bf16 when the inputs are bf16 (else float32; v is
-    never transformed before the kernels, so bf16 v is exact where they read it as
-    float32). unit_qk_dtype: where narrow_qk is False, the dtype of bf16 inputs' q and k
-    that the op has L2-normalised (None: float32). gate_cumsum: the stages take G and
-    return dG (module docstring). build: the Stages for a StageOptions (``stages_for``)."""
+    (see the module docstring). normalize_max_k: the kernels L2-normalise q, k themselves for K
+    up to this (0: never; the op copies them with unit rows first, ``Stages.unit_rows``).
+    narrow_qk, narrow_v: q and k, and v, reach the kernels in bf16 when the inputs are bf16
+    (else float32; v is never transformed before the kernels, so bf16 v is exact where they read
+    it as float32). unit_qk_dtype: where narrow_qk is False, the dtype of bf16 inputs' q and k
+    that the op has L2-normalised (None: float32). gate_cumsum: the stages take G and return dG
+    (module docstring). build: the Stages for a StageOptions (``stages_for``)."""
     backend: str
     gate: Gate
     token_major: bool
@@ -152,7 +156,7 @@ def _xla_stages(opts: StageOptions) -> Stages:
         q, k, v, g, beta, scale, layout)
     return Stages(partial(xla.per_token_decay, gate=opts.gate), intra, lambda terms: None,
                   intra_again, xla.state_output, xla.state_fwd, xla.state_last,
-                  xla.cp_summary, xla.state_bwd, chunk_grads)
+                  xla.cp_summary, xla.state_bwd, chunk_grads, normalized_copy)
 
 
 def _gdn_precision(opts: StageOptions):
@@ -200,14 +204,16 @@ def state_kernel_precision(kernel: str, precision):
 def _pallas_state_stages(opts: StageOptions, precision, out_dtype=None) -> dict:
     """The state recurrences as Pallas kernels (both gates), token-major (o, do), at
     precision (``products.KernelPrecision``); out_dtype: o's dtype where not that of the
-    terms' u."""
-    from jaxcp.pallas.triton.common import state
+    terms' u. With them the unit-row copies of q, k (``common.l2norm``), which both gates'
+    Pallas stages share."""
+    from jaxcp.pallas.triton.common import l2norm, state
     kw = lambda name: dict(gate=opts.gate, token_major=True, interpret=opts.interpret,
                            precision=state_kernel_precision(name, precision))
     stages = {name: partial(getattr(state, name), **kw(name)) for name in (
         "state_fwd", "state_last", "cp_summary", "state_bwd")}
     return dict(stages, state_output=partial(state.state_output, tokens=opts.tokens,
-                                             out_dtype=out_dtype, **kw("state_output")))
+                                             out_dtype=out_dtype, **kw("state_output")),
+                unit_rows=partial(l2norm.l2_normalized, interpret=opts.interpret))
 
 
 def _pallas_gdn_stages(opts: StageOptions) -> Stages:
@@ -329,10 +335,11 @@ def _pallas_kda_stages(opts: StageOptions) -> Stages:
 
 
 # In-kernel normalisation for GDN up to K = 128, where it saves the norm's passes over q, k;
-# at K = 256 its cotangent kernels are slower than XLA's norm. KDA's q, k reach its kernels
-# normalised by XLA, in float16 for bf16 inputs: the 10-bit mantissa its TF32 products keep
-# (bf16 copies lose too many digits on correlated keys); its in-kernel path (normalize_qk)
-# saves more memory but is slower (docs/benchmarks/kernels.md, kernels_kda.md).
+# at K = 256 its cotangent kernels are slower than the op's norm. KDA's q, k reach its
+# kernels normalised by the op (``unit_rows``), in float16 for bf16 inputs: the 10-bit
+# mantissa its TF32 products keep (bf16 copies lose too many digits on correlated keys);
+# its in-kernel path (normalize_qk) saves more memory but is slower
+# (docs/benchmarks/kernels.md, kernels_kda.md).
 IMPLEMENTATIONS = {(impl.backend, impl.gate): impl for impl in (
     #     backend   gate     token_major gate_cumsum normalize_max_k narrow_qk narrow_v build
     Implementation("xla", Gate.SCALAR, False, False, 0, False, False, _xla_stages),

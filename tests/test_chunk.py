@@ -7,6 +7,7 @@ import pytest
 
 import jaxcp
 from jaxcp.gate import Gate
+from jaxcp.pallas.triton.common import l2norm as l2norm_kernels
 from jaxcp.stages import IMPLEMENTATIONS
 from helpers import OPS, TOL, assert_rel, cotangents, make_inputs, value_and_grads
 
@@ -81,36 +82,39 @@ def test_pallas_interpret_matches_reference(kind, dtype):
 
 
 def test_pallas_interpret_l2norm_before_kernels(monkeypatch):
-    """Above the implementation's normalize_max_k (K = 256 in use) XLA normalises q, k before
-    the GDN kernels instead of the kernels doing it: the same op."""
+    """Above the implementation's normalize_max_k (K = 256 in use) the op normalises q, k
+    before the GDN kernels (``common.l2norm``'s kernel) instead of the kernels doing it: the
+    same op."""
     key = ("pallas", Gate.SCALAR)
     monkeypatch.setitem(IMPLEMENTATIONS, key,
                         dataclasses.replace(IMPLEMENTATIONS[key], normalize_max_k=16))
     normalised = []
-    norm = jaxcp.ops.l2_normalize
-    monkeypatch.setattr(jaxcp.ops, "l2_normalize", lambda x: normalised.append(x) or norm(x))
+    norm = l2norm_kernels._forward
+    monkeypatch.setattr(l2norm_kernels, "_forward",
+                        lambda x, *a: normalised.append(x) or norm(x, *a))
     args = make_inputs("gdn", 1, 128, 1, 2, 32, 16, n_states=1)
     check_against_reference("gdn", args, jnp.float32, use_qk_l2norm_in_kernel=True,
                             backend="interpret")
-    assert normalised, "XLA did not normalise q, k before the kernels"
+    assert normalised, "q, k were not normalised before the kernels"
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pallas_interpret_kda_norm_in_kernels(monkeypatch, dtype):
     """KDA's kernels with the norm in them (normalize_qk, raw q, k, v in the input dtype;
-    not yet the table's default): the op equals the reference, and XLA normalises nothing
+    not yet the table's default): the op equals the reference, and nothing normalises q, k
     before the kernels."""
     key = ("pallas", Gate.CHANNEL)
     monkeypatch.setitem(IMPLEMENTATIONS, key, dataclasses.replace(
         IMPLEMENTATIONS[key], normalize_max_k=256, narrow_qk=True))
     normalised = []
-    norm = jaxcp.ops.l2_normalize
-    monkeypatch.setattr(jaxcp.ops, "l2_normalize", lambda x: normalised.append(x) or norm(x))
+    norm = l2norm_kernels._forward
+    monkeypatch.setattr(l2norm_kernels, "_forward",
+                        lambda x, *a: normalised.append(x) or norm(x, *a))
     cu = jnp.asarray([0, 1, 64, 65, 100, 130], jnp.int32)
     args = make_inputs("kda", 1, 130, 1, 2, 32, 16, dtype=dtype, n_states=5)
     check_against_reference("kda", args, dtype, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
                             backend="interpret")
-    assert not normalised, "XLA normalised q, k before the kernels"
+    assert not normalised, "q, k were normalised before the kernels"
 
 
 @pytest.mark.parametrize("kind, T", [("gdn", 70), ("kda", 70), ("gdn", 128)])

@@ -9,10 +9,10 @@ import pytest
 
 from jaxcp import xla
 from jaxcp.gate import Gate, decay_from_raw
-from jaxcp.l2norm import l2_normalize
+from jaxcp.l2norm import l2_normalize, normalized_copy
 from jaxcp.layout import build_layout, from_chunks, num_chunks, to_chunks
-from jaxcp.pallas.triton.common import state as pstate
-from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
+from jaxcp.pallas.triton.common import l2norm as l2norm_kernels, state as pstate
+from jaxcp.pallas.triton.common.launch import ChunkBlocks, RowBlocks, StateBlocks
 from jaxcp.pallas.triton.common.products import Fp32Products, KernelPrecision, dots
 from jaxcp.pallas.triton.gdn import grads as pgdn_grads, intra as pgdn_intra
 from jaxcp.pallas.triton.kda import gate_cumsum, grads as pkda_grads, intra as pkda_intra
@@ -508,6 +508,28 @@ def test_chunk_grads_kda(C, K, V):
         assert_rel(a, b, 1e-5, name)
 
 
+def test_chunk_grads_kda_cotangents_in_the_inputs_dtypes():
+    """With q, k in float16 and v in bf16 (as the op hands them to the kernels for bf16
+    inputs), dq, dk leave the kernels in float16 and dv in bf16, as new arrays rather than
+    in place: each equals the float32 cotangents of the same values rounded once (to one
+    unit in the last place: the two programs may contract sums differently)."""
+    args, terms, rest = kda_grads_inputs(32, 32, 16, "random")
+    q, k, v = args[0].astype(jnp.float16), args[1].astype(jnp.float16), \
+        args[2].astype(jnp.bfloat16)
+    narrow = (q, k, v, *args[3:])
+    wide = tuple(x.astype(jnp.float32) for x in narrow)
+    got = kda_chunk_grads(narrow, terms, rest)
+    want = kda_chunk_grads(wide, terms, rest)
+    want = (*(x.astype(d) for x, d in zip(want[:3], (jnp.float16, jnp.float16,
+                                                      jnp.bfloat16))), *want[3:])
+    chex.assert_trees_all_equal_dtypes(got, want)
+    chex.assert_tree_all_finite(got)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        ulp = float(jnp.finfo(a.dtype).eps)
+        chex.assert_trees_all_close(a.astype(jnp.float32), b.astype(jnp.float32), rtol=ulp,
+                                    atol=ulp * float(jnp.max(jnp.abs(b))), custom_message=name)
+
+
 def test_kda_diagonal_blocks_as_products_or_pair_by_pair():
     """A sub-chunk whose G falls by at most 75 on every channel takes its diagonal block as
     products, the others pair by pair (``gates.diagonal_fits``): with the sub-chunks
@@ -535,6 +557,44 @@ def test_chunk_grads_kda_very_negative_gates(gates):
     for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, exact):
         assert bool(jnp.all(jnp.isfinite(a))), name
         assert rel_err(a, ref) <= max(1.01 * rel_err(b, ref), 1e-6), name
+
+
+@pytest.mark.parametrize("shape, in_dtype, out_dtype", [
+    ((1, 37, 3, 32), jnp.bfloat16, jnp.float16),    # 111 rows: a masked last block
+    ((2, 16, 2, 128), jnp.float32, jnp.float32),
+    ((1, 9, 1, 256), jnp.bfloat16, jnp.bfloat16),
+])
+def test_l2_normalized_copy(shape, in_dtype, out_dtype):
+    """The unit-row copy as Pallas kernels (``common.l2norm``) equals XLA's
+    (``l2norm.normalized_copy``): y in out_dtype, dx in x's dtype, both rounded once from
+    float32 (so to a unit in their last place at most), on rows of different norms, a zero
+    row among them."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape) * rng.uniform(0.1, 10.0, shape[:-1] + (1,))
+    x[0, 0, 0] = 0.0
+    x = jnp.asarray(x, in_dtype)
+    dy = jnp.asarray(rng.standard_normal(shape), out_dtype)
+    kernel = lambda x: l2norm_kernels.l2_normalized(x, out_dtype, interpret=True,
+                                                    blocks=RowBlocks(block_rows=16))
+    y, kernel_vjp = jax.vjp(kernel, x)
+    want, xla_vjp = jax.vjp(lambda x: normalized_copy(x, out_dtype), x)
+    (dx,), (want_dx,) = kernel_vjp(dy), xla_vjp(dy)
+    chex.assert_trees_all_equal_dtypes((y, dx), (want, want_dx))
+    chex.assert_trees_all_equal_shapes((y, dx), (want, x))
+    chex.assert_tree_all_finite((y, dx))
+    ulp = float(jnp.finfo(out_dtype).eps)
+    chex.assert_trees_all_close(y.astype(jnp.float32), want.astype(jnp.float32), atol=ulp,
+                                rtol=0)
+    # dx has the scale of r dy; compare each row relative to its own size
+    size = jnp.max(jnp.abs(want_dx.astype(jnp.float32)), axis=-1, keepdims=True) + 1e-30
+    chex.assert_trees_all_close(dx.astype(jnp.float32) / size,
+                                want_dx.astype(jnp.float32) / size,
+                                atol=2 * float(jnp.finfo(in_dtype).eps), rtol=0)
+
+
+def test_l2_normalized_copy_rejects_widths():
+    with pytest.raises(ValueError, match="row width"):
+        l2norm_kernels.l2_normalized(jnp.ones((4, 48)), jnp.float32, interpret=True)
 
 
 def test_kda_normalize_qk_in_kernels():

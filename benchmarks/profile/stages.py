@@ -4,19 +4,20 @@
 
 Stages, as ``backend="pallas"`` runs them for bf16 inputs, one sequence or the packed
 sequences of --cu-seqlens (the kernels read q, k, v, g, beta and write o token-major, in
-place): the L2 norm of q and k (XLA; only above the Pallas GDN implementation's
-normalize_max_k, else the kernels normalise), the intra-chunk terms (writing the inverse
-too when the forward runs for a backward), the backward's recomputation of w and u from it,
-the forward state recurrence fused with the output (what the forward runs), the forward
-recurrence that stores h and v_new (what the backward recomputes), the reverse recurrence,
-the input cotangents, and the two kernels context parallelism adds (the summary (S_ext, M)
-and the entry cotangent, ``cp.exchange``); then the whole op. With
+place): the unit-row copies of q and k (``common.l2norm``'s kernels; only above the Pallas
+GDN implementation's normalize_max_k, else the kernels normalise), the intra-chunk terms
+(writing the inverse too when the forward runs for a backward), the backward's recomputation
+of w and u from it, the forward state recurrence fused with the output (what the forward
+runs), the forward recurrence that stores h and v_new (what the backward recomputes), the
+reverse recurrence, the input cotangents, and the two kernels context parallelism adds (the
+summary (S_ext, M) and the entry cotangent, ``cp.exchange``); then the whole op. With
 --variants, rows marked "variant" re-time a stage in another form (not what ships): the
 chunk layout's transpose, other launch configurations (``StateBlocks``, ``ChunkBlocks``:
-state columns per program, warps, pipeline stages); --variants TEXT times only the
-variant rows whose name contains TEXT. --op kda times KDA's stages instead
-(token-major, the gate as its chunk cumsum G); its --variants re-time the forward gated
-sums, the cotangent kernels and the state recurrences under other launch configurations.
+state columns per program, warps, pipeline stages); --variants TEXT times only the variant
+rows whose name contains TEXT. --op kda times KDA's stages instead (token-major, the gate as
+its chunk cumsum G); its --variants re-time the forward gated sums, the cotangent kernels
+and the state recurrences under other launch configurations. With either op, --variants
+also times the unit-row copies of q, k by XLA and under other ``RowBlocks``.
 --interpret runs the kernels in interpret mode (a smoke test on the CPU, with small --T
 and --H).
 """
@@ -60,6 +61,7 @@ def main(argv=None):
     from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout, num_chunks, to_chunks
     from jaxcp.pallas.triton.common import state as pstate
+    from jaxcp.pallas.triton.common.l2norm import l2_normalized
     from jaxcp.pallas.triton.common.launch import ChunkBlocks, StateBlocks
     from jaxcp.pallas.triton.common.products import KernelPrecision
     from jaxcp.pallas.triton.gdn import grads as gdn_grads, intra as gdn_intra
@@ -71,6 +73,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     l2 = lambda x: l2_normalize(x).astype(x.dtype)
+    unit_rows = lambda copy: lambda q, k: tuple(copy(x, jnp.bfloat16) for x in (q, k))
+    unit_rows_grads = lambda copy: lambda q, k, dq, dk: jax.vjp(unit_rows(copy), q, k)[1](
+        (dq, dk))
     q, k, v = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D)
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((1, T, H, 1)), jnp.float32))
     beta = jax.nn.sigmoid(r(1, T, H).astype(jnp.float32))
@@ -89,7 +94,13 @@ def main(argv=None):
     raw_q, raw_k = q, k
     norm_inside = implementation("pallas", Gate.SCALAR).normalizes_qk(D)
     if not norm_inside:
-        q, k = timed("l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), q, k)
+        kernel_copy = partial(l2_normalized, interpret=args.interpret)
+        q, k = timed("unit rows of q, k (l2norm_fwd)", unit_rows(kernel_copy), q, k)
+        timed("unit rows fwd+bwd (l2norm_fwd, l2norm_bwd)", unit_rows_grads(kernel_copy),
+              raw_q, raw_k, q, k)
+        if args.variants is not None:
+            unit_rows_variants(partial(_timed_variant, rows, args.iters, args.variants),
+                               unit_rows, unit_rows_grads, raw_q, raw_k, q, k, args.interpret)
     token_args = (q, k, v, g, beta)
     # bf16 products, terms and state recurrences, as the stage table picks for bf16 inputs
     precision = KernelPrecision(dot_dtype=bf16, tile_dtype=bf16, precise=False)
@@ -122,7 +133,8 @@ def main(argv=None):
             to_chunks(x, tmap, NT, C) for x in xs), q, k, v, g, beta)
         # the other side of normalize_max_k: kernels normalising q, k or not
         if norm_inside:
-            timed("variant: l2norm of q, k (XLA)", lambda a, b: (l2(a), l2(b)), raw_q, raw_k)
+            timed("variant: unit rows of q, k (l2norm_fwd)",
+                  unit_rows(partial(l2_normalized, interpret=args.interpret)), raw_q, raw_k)
         other = dict(pallas, normalize_qk=not norm_inside)
         qk = (raw_q, raw_k) if other["normalize_qk"] else (l2(raw_q), l2(raw_k))
         flipped = qk + token_args[2:]
@@ -205,14 +217,13 @@ def _table(rows, T, H, D):
 
 def _profile_kda(args, cu):
     """The KDA stages of ``stages_for(backend, Gate.CHANNEL)`` for bf16 inputs, each alone,
-    on inputs as the op passes them (token-major, q, k normalised by XLA, the gate as G
-    from the gate kernel), then the whole op."""
+    on inputs as the op passes them (token-major, the unit-row copies of q, k from the
+    stages' ``unit_rows``, the gate as G from the gate kernel), then the whole op."""
     import jax
     import jax.numpy as jnp
     import jaxcp
     from benchmarks.timing import forward_backward
     from jaxcp.gate import Gate
-    from jaxcp.l2norm import l2_normalize
     from jaxcp.layout import build_layout
     from jaxcp.stages import StageOptions, implementation, stages_for
 
@@ -234,12 +245,16 @@ def _profile_kda(args, cu):
     timed = partial(_timed, rows, args.iters)
     gate_cumsum = lambda g: st.gate(g, layout)
 
-    def normed(q, k, v, beta):
-        f32 = lambda x: x.astype(jnp.float32)
-        q, k = (l2_normalize(f32(x)).astype(qk_dtype) for x in (q, k))
-        return q, k, v.astype(v_dtype), f32(beta)
-
-    q_n, k_n, v_n, beta_n = timed("l2norm (XLA)", normed, q, k, v, beta)
+    unit_rows = lambda copy: lambda q, k: tuple(copy(x, qk_dtype) for x in (q, k))
+    unit_rows_grads = lambda copy: lambda q, k, dq, dk: jax.vjp(unit_rows(copy), q, k)[1](
+        (dq, dk))
+    q_n, k_n = timed("unit rows of q, k (l2norm_fwd)", unit_rows(st.unit_rows), q, k)
+    timed("unit rows fwd+bwd (l2norm_fwd, l2norm_bwd)", unit_rows_grads(st.unit_rows),
+          q, k, q_n, k_n)
+    if args.variants is not None:
+        unit_rows_variants(partial(_timed_variant, rows, args.iters, args.variants),
+                           unit_rows, unit_rows_grads, q, k, q_n, k_n, args.interpret)
+    v_n, beta_n = v.astype(v_dtype), beta.astype(jnp.float32)
     G = timed("gate cumsum (kda_gate_cumsum)", gate_cumsum, g)
     xs = (q_n, k_n, v_n, G, beta_n)
     timed("intra", lambda *a: st.intra(*a, scale, layout), *xs)
@@ -271,6 +286,25 @@ def _profile_kda(args, cu):
     timed("op forward+backward", forward_backward(lambda *a: op(*a)[0], range(5), wo),
           q, k, v, g, beta)
     _table(rows, T, H, D)
+
+
+def unit_rows_variants(timed_variant, unit_rows, unit_rows_grads, q, k, q_n, k_n,
+                       interpret):
+    """Rows "variant: unit rows ..." of the unit-row copies of q, k: by XLA
+    (``l2norm.normalized_copy``), and the kernels under other ``RowBlocks``; forward, and
+    forward+backward with the copies as cotangents."""
+    from jaxcp.l2norm import normalized_copy
+    from jaxcp.pallas.triton.common.l2norm import l2_normalized
+    from jaxcp.pallas.triton.common.launch import RowBlocks
+
+    copies = [("by XLA", normalized_copy)] + [
+        (f"{rows} rows, {warps} warps", partial(l2_normalized, interpret=interpret,
+                                                 blocks=RowBlocks(rows, warps)))
+        for rows, warps in ((16, 4), (64, 4), (64, 8), (128, 8), (32, 2))]
+    for how, copy in copies:
+        timed_variant(f"variant: unit rows {how}", unit_rows(copy), q, k)
+        timed_variant(f"variant: unit rows fwd+bwd {how}", unit_rows_grads(copy),
+                      q, k, q_n, k_n)
 
 
 def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, layout, h0, scale,

@@ -1,6 +1,6 @@
 """Launch configurations of the Pallas kernels, as data (static arguments of the kernels).
 
-Two families of kernels, two configurations:
+Three families of kernels, three configurations:
 
 - ``StateBlocks``: the chunk state recurrences (``common.state``), one program per (batch,
   value head, block of state columns) looping over the chunks. Its per-chunk tiles are
@@ -9,6 +9,7 @@ Two families of kernels, two configurations:
   ``kda.grads``), one program per (chunk, batch, value head) or, for KDA's gated sums, per
   sub-chunk of 16 rows, walking K and V in blocks of columns so that no [C, K] or [C, V]
   tile stays live across the kernel.
+- ``RowBlocks``: the row-wise kernels (``common.l2norm``), one program per block of rows.
 
 ``default(K)`` gives what the kernels ship with (GDN's state recurrences:
 ``StateBlocks.gdn``; KDA's cotangent kernels: ``ChunkBlocks.kda_grads``; its forward
@@ -157,3 +158,14 @@ class ChunkBlocks:
 
     def params(self, interpret: bool) -> dict:
         return _compiler_params(interpret, self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """Row-wise kernels over an [N, d] matrix (``common.l2norm``): block_rows rows per
+    program, num_warps. Each program reads its rows once, so one pipeline stage."""
+    block_rows: int = 32
+    num_warps: int = 4
+
+    def params(self, interpret: bool) -> dict:
+        return _compiler_params(interpret, self.num_warps, 1)

@@ -34,6 +34,9 @@ cols(M, x)_jd = sum_{i>j} M_ij x_id E_ijd):
 With normalize_qk the kernels read q, k L2-normalised from the raw tiles (as
 ``intra`` does), and XLA applies the normalisation's vjp to dq, dk.
 
+The sums are float32; dv leaves step 2, and dq, dk the last kernel, in their inputs'
+dtypes (rounded once, as the op would round them), so no conversion pass follows.
+
 Every decay is a product of factors <= 1 (``gates``), so the cotangents are finite
 for any gate g <= 0. The per-chunk kernels loop over blocks of col_block columns, so that
 only [C, C] tiles and one block's [C, col_block] tiles are live at a time; the kernels of
@@ -128,7 +131,7 @@ _WYRefs = refs_type("_WYRefs", "k v G beta w u inv dvn dw dk_in dG_in dk dv dG d
 def _wy_kernel(*refs, names, dots, blocks):
     """Step 2 of the module docstring for one (chunk, head): k, G, w, dw [C, K], v, u, dvn
     [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dG_in) -> dv
-    [C, V], dbeta [C] and dA [C, C], float32."""
+    [C, V] (in its ref's dtype), dbeta [C] and dA [C, C], float32."""
     r = named(_WYRefs, names, refs)
     r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
     C, K = r.k.shape
@@ -365,7 +368,8 @@ def _launch_inter(c: _Call, do, h, v_new, x, dvn, scale: float) -> dict:
 
 
 def _launch_wy(c: _Call, terms: ChunkTerms, dvn, inter: dict) -> dict:
-    """Step 2 (``kda_grads_wy``): dv, dbeta and dA, and inter's dk, dG added to in place."""
+    """Step 2 (``kda_grads_wy``): dv (in v's dtype), dbeta and dA, and inter's dk, dG
+    added to in place."""
     sp, (_, _, _, C, K), V = c.sp, c.G.shape, c.v.shape[-1]
     ins = c.inputs(sp, (("k", sp.token(K), c.k), ("v", sp.token(V), c.v),
                         ("G", sp.tile(K), c.G), ("beta", sp.token(None), c.beta),
@@ -376,7 +380,7 @@ def _launch_wy(c: _Call, terms: ChunkTerms, dvn, inter: dict) -> dict:
 
     def outs(out, struct):
         out.add("dk", sp.token(K), _f32(struct, c.k))
-        out.add("dv", sp.token(V), _f32(struct, c.v))
+        out.add("dv", sp.token(V), struct(c.v.shape, c.v.dtype))
         out.add("dG", sp.tile(K), _f32(struct, c.G))
         out.add("dbeta", sp.token(None), _f32(struct, c.beta))
         out.add("da", sp.tile(C), struct(c.square, jnp.float32))
@@ -386,11 +390,13 @@ def _launch_wy(c: _Call, terms: ChunkTerms, dvn, inter: dict) -> dict:
 
 
 def _launch_gated_sums(c: _Call, kernel, grid, sp, whole, own_chunk, mq, da, partial: dict,
-                       extra=(), **static) -> dict:
+                       extra=(), qk_grads_dtype=jnp.float32, **static) -> dict:
     """One kernel of step 3, in place: q, k, beta and the row scales under sp.token, G
     and Mq, dA [C, C] under whole (the chunk's block of a chunk-layout array); the
     partial dq, dk, dbeta (token slabs) and dG (own_chunk, the program's rows of the
-    chunk layout) in and out; extra: more (name, spec, value) inputs."""
+    chunk layout) in and out; extra: more (name, spec, value) inputs. dq, dk leave in
+    qk_grads_dtype, written in place where that is float32, as new arrays otherwise (every
+    row is some program's)."""
     C, K = c.G.shape[3:]
     ins = c.inputs(sp, (("q", sp.token(K), c.q), ("k", sp.token(K), c.k),
                         ("G", whole(K), c.G), ("beta", sp.token(None), c.beta),
@@ -402,12 +408,14 @@ def _launch_gated_sums(c: _Call, kernel, grid, sp, whole, own_chunk, mq, da, par
 
     def outs(out, struct):
         for name in ("dq", "dk"):
-            out.add(name, sp.token(K), _f32(struct, c.k))
+            out.add(name, sp.token(K), struct(c.k.shape, qk_grads_dtype))
         out.add("dG", own_chunk(K), _f32(struct, c.G))
         out.add("dbeta", sp.token(None), _f32(struct, c.beta))
 
-    return call(kernel, grid, ins, outs, aliases={
-        "dq_in": "dq", "dk_in": "dk", "dG_in": "dG", "dbeta_in": "dbeta"}, **static)[0]
+    aliases = {"dG_in": "dG", "dbeta_in": "dbeta"}
+    if jnp.dtype(qk_grads_dtype) == jnp.float32:
+        aliases.update(dq_in="dq", dk_in="dk")
+    return call(kernel, grid, ins, outs, aliases=aliases, **static)[0]
 
 
 def _launch_across(c: _Call, mq, da, partial: dict, blocks: ChunkBlocks) -> dict:
@@ -417,16 +425,18 @@ def _launch_across(c: _Call, mq, da, partial: dict, blocks: ChunkBlocks) -> dict
                               params=blocks.params(c.interpret), dots=c.dots, blocks=blocks)
 
 
-def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None) -> dict:
-    """Step 3 within sub-chunks, and Mq's diagonal (``kda_grads_diagonal_sums``)."""
+def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None,
+                     qk_grads_dtype) -> dict:
+    """Step 3 within sub-chunks, and Mq's diagonal (``kda_grads_diagonal_sums``), the last
+    kernel: dq, dk leave in qk_grads_dtype."""
     NT, B, HV, C, _ = c.G.shape
     ss = sub_chunk_specs(NT, B, HV, C, c.k.shape[1], c.blocks.sub_chunks_first)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
     return _launch_gated_sums(c, _diagonal_kernel, ss.grid, ss, ss.chunk, ss.rows, mq, da,
                               partial, extra=(("mq_flat", ss.square_flat, flat(mq)),
                                               ("da_flat", ss.square_flat, flat(da))),
-                              name="kda_grads_diagonal_sums", gate_bound=gate_bound,
-                              **c.static())
+                              qk_grads_dtype=qk_grads_dtype, name="kda_grads_diagonal_sums",
+                              gate_bound=gate_bound, **c.static())
 
 
 def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_new, x, dvn,
@@ -434,7 +444,8 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
                 interpret: bool = False, precision: KernelPrecision = KernelPrecision(),
                 blocks: ChunkBlocks | None = None, across_blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) (module docstring), but that
-    the gate comes as its chunk cumsum G and leaves as dG: (dq, dk, dv, dG, dbeta), float32.
+    the gate comes as its chunk cumsum G and leaves as dG: (dq, dk, dv, dG, dbeta), dq and
+    dk in q's dtype (float32 with normalize_qk), dv in v's, dG and dbeta float32.
     q, k [B, T, HV, K], v, do [B, T, HV, V], beta [B, T, HV] are read in place at the rows
     of the ChunkLayout layout, and dq, dk, dv, dbeta written so, in their shapes; G and dG
     [NT, B, HV, C, K] are in the chunk layout (``gate_cumsum.chunk_gate``, whose backward
@@ -461,7 +472,10 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     sums = _launch_across(c, inter["mq"], wy["da"],
                           dict(dq=inter["dq"], dk=wy["dk"], dG=wy["dG"], dbeta=wy["dbeta"]),
                           across_blocks or ChunkBlocks.grads_across_sub_chunks())
-    sums = _launch_diagonal(c, inter["mq"], wy["da"], sums, gate_bound)
+    # dq, dk in q's dtype (no conversion pass after the kernels), but in float32 for the
+    # normalisation's vjp by XLA
+    qk_grads_dtype = jnp.float32 if normalize_qk else q.dtype
+    sums = _launch_diagonal(c, inter["mq"], wy["da"], sums, gate_bound, qk_grads_dtype)
     dq, dk = sums["dq"], sums["dk"]
     if normalize_qk:
         dq, dk = xla_normalize_vjp(q, dq), xla_normalize_vjp(k, dk)
