@@ -144,7 +144,7 @@ def test_cp_pallas_gradients_trace_under_check_vma(kind, monkeypatch):
     """The Pallas ops (backend="pallas", traced, not run: interpret mode cannot run under
     check_vma) differentiate under shard_map(check_vma=True) with the gate computed in the
     op: every custom_vjp gives its cotangents the vma types of its inputs, the replicated
-    A_log and dt_bias included."""
+    A_log and dt_bias included. q, k are L2-normalised (KDA: by the unit-row kernels)."""
     monkeypatch.setattr(jaxcp.checks, "gpu_present", lambda: True)    # traced, not run
     op, _ = OPS[kind]
     K = 16
@@ -155,7 +155,7 @@ def test_cp_pallas_gradients_trace_under_check_vma(kind, monkeypatch):
 
     def loss(q, k, v, g, beta, A_log, dt_bias):
         o = op(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-               cp_axis="seq", backend="pallas")[0]
+               use_qk_l2norm_in_kernel=True, cp_axis="seq", backend="pallas")[0]
         return jax.lax.psum(jnp.sum(o * o), "seq")
 
     f = jax.shard_map(loss, mesh=mesh_of(2), in_specs=(seq,) * 5 + (rep, rep), out_specs=rep,
