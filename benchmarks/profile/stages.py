@@ -348,9 +348,9 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         *a, scale, layout, precision=fast, blocks=blocks, diagonal_blocks=diagonal_blocks,
         interpret=interpret)
     variant("gated sums as shipped", sums(), q, k, G, beta)
-    for how, b in [chunk_blocks(*c) for c in ((16, 1, 2), (32, 1, 1), (32, 1, 3), (32, 2, 2),
-                                               (32, 4, 2), (64, 1, 1), (64, 1, 2), (64, 2, 2),
-                                               (128, 1, 1))]:
+    for how, b in [chunk_blocks(*c) for c in ((16, 1, 1), (16, 1, 3), (16, 2, 2), (32, 1, 1),
+                                               (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 2),
+                                               (64, 2, 2), (128, 1, 1))]:
         variant(f"gated sums across sub-chunks {how}", sums(blocks=b), q, k, G, beta)
     shipped = ChunkBlocks.sub_chunk()
     for how, b in [chunk_blocks(*c) for c in ((64, 8, 1), (32, 4, 1), (32, 2, 1), (128, 8, 1),
