@@ -474,9 +474,9 @@ def test_kda_sub_chunks_first_launch_order():
         np.testing.assert_array_equal(a, b)
     args, terms, rest = kda_grads_inputs(32, 32, 16, "mixed")
     want = kda_chunk_grads(args, terms, rest)
-    got = kda_chunk_grads(args, terms, rest, blocks=flipped(ChunkBlocks.kda_grads()))
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
+    got = kda_chunk_grads(args, terms, rest,
+                          diagonal_blocks=flipped(ChunkBlocks.grads_sub_chunk(32)))
+    chex.assert_trees_all_equal(got, want)
 
 
 def kda_grads_inputs(C, K, V, gates):
@@ -790,6 +790,13 @@ def test_kda_stages_pick_precise_products(dtype, products):
         assert "blocks" not in stage.keywords
         assert stage.keywords["precision"].dot_dtype == jnp.float32
     assert Fp32Products.for_inputs(dtype) is products
+
+
+def test_kda_backward_diagonal_kernel_blocks_by_key_width():
+    """``kda_grads_diagonal_sums`` steps over 32 columns with one warp up to K = 128 and
+    over 64 with four above; the sub-chunks come first in its grid at every K."""
+    assert ChunkBlocks.grads_sub_chunk(128) == ChunkBlocks(32, 1, 2, sub_chunks_first=True)
+    assert ChunkBlocks.grads_sub_chunk(256) == ChunkBlocks(64, 4, 2, sub_chunks_first=True)
 
 
 def test_kda_state_blocks_keep_the_grid_full():

@@ -310,8 +310,9 @@ def unit_rows_variants(timed_variant, unit_rows, unit_rows_grads, q, k, q_n, k_n
 def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, layout, h0, scale,
                   interpret):
     """Other launch configurations of the KDA kernels (rows marked "variant"): the forward
-    gated sums (their two kernels apart) and the cotangent kernels under ``ChunkBlocks``
-    (columns per block, warps, pipeline stages, the sub-chunk kernels' launch order),
+    gated sums (their two kernels apart) and the cotangent kernels (the per-chunk pair, the
+    kernel across sub-chunks, the diagonal one apart) under ``ChunkBlocks`` (columns per
+    block, warps, pipeline stages, the sub-chunk kernels' launch order),
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
     bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, with TF32
     products where scaled float16 ones ship (and the other way for state_fwd), and reading
@@ -374,17 +375,25 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     variant("chunk_grads with gate bound -5", lambda *a: kda_grads.chunk_grads(
         *a[:5], scale, layout, *a[5:], gate_bound=-5.0, **as_shipped),
         q, k, v, bounded, beta, terms, h, vn, x, dvn, do)
-    grads = lambda blocks=None, across_blocks=None, p=products: lambda *a: (
-        kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:], blocks=blocks,
-                              across_blocks=across_blocks,
-                              precision=KernelPrecision(products=p),
-                              interpret=interpret))
+    grads = lambda blocks=None, across_blocks=None, diagonal_blocks=None, p=products: (
+        lambda *a: kda_grads.chunk_grads(*a[:5], scale, layout, *a[5:], blocks=blocks,
+                                         across_blocks=across_blocks,
+                                         diagonal_blocks=diagonal_blocks,
+                                         precision=KernelPrecision(products=p),
+                                         interpret=interpret))
     grads_inputs = (*xs, terms, h, vn, x, dvn, do)
-    for how, b in [chunk_blocks(*c) for c in ((32, 2, 2), (32, 4, 2), (64, 4, 1), (64, 4, 2),
-                                               (64, 8, 2), (128, 4, 2), (128, 8, 1))]:
+    for how, b in [chunk_blocks(*c) for c in ((16, 1, 2), (16, 2, 2), (32, 1, 2), (32, 2, 2),
+                                               (32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 2),
+                                               (128, 4, 2), (128, 8, 1))]:
         variant(f"chunk_grads across sub-chunks {how}", grads(across_blocks=b), *grads_inputs)
-    for how, b in [chunk_blocks(64, 4, 1), other_launch_order(ChunkBlocks.kda_grads())]:
-        variant(f"chunk_grads {how}", grads(blocks=b), *grads_inputs)
+    for how, b in [chunk_blocks(*c) for c in ((64, 4, 1), (32, 4, 2), (64, 8, 2))]:
+        variant(f"chunk_grads inter, wy {how}", grads(blocks=b), *grads_inputs)
+    shipped = ChunkBlocks.grads_sub_chunk(q.shape[-1])
+    diagonal = [(name, replace(b, sub_chunks_first=True))
+                for name, b in [chunk_blocks(*c) for c in ((16, 1, 2), (32, 2, 2), (64, 2, 2),
+                                                           (64, 4, 2))]]
+    for how, b in diagonal + [other_launch_order(shipped)]:
+        variant(f"chunk_grads diagonal {how}", grads(diagonal_blocks=b), *grads_inputs)
     for how, p in other_products:
         variant(f"chunk_grads {how}", grads(p=p), *grads_inputs)
     # the norm in the kernels: raw bf16 q, k, v, q, k normalised as read

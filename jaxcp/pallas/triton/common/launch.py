@@ -12,10 +12,11 @@ Three families of kernels, three configurations:
 - ``RowBlocks``: the row-wise kernels (``common.l2norm``), one program per block of rows.
 
 ``default(K)`` gives what the kernels ship with (GDN's state recurrences:
-``StateBlocks.gdn``; KDA's cotangent kernels: ``ChunkBlocks.kda_grads``; its forward
-gated sums: ``ChunkBlocks.sub_chunk``; its inverse and tiles: ``ChunkBlocks.wy_terms``;
-its state recurrences: ``StateBlocks.kda``). The measurements behind them:
-docs/benchmarks/kernels.md and kernels_kda.md.
+``StateBlocks.gdn``; KDA's cotangent kernels: ``ChunkBlocks.kda_grads``,
+``grads_across_sub_chunks`` and ``grads_sub_chunk``; its forward gated sums:
+``ChunkBlocks.across_sub_chunks`` and ``sub_chunk``; its inverse and tiles:
+``ChunkBlocks.wy_terms``; its state recurrences: ``StateBlocks.kda``). The measurements
+behind them: docs/benchmarks/kernels.md and kernels_kda.md.
 """
 from __future__ import annotations
 
@@ -121,10 +122,19 @@ class ChunkBlocks:
 
     @classmethod
     def kda_grads(cls) -> "ChunkBlocks":
-        """KDA's three cotangent kernels: two pipeline stages (three would need 240 KiB of
-        shared memory in ``kda_grads_inter``, over the 227 KiB of a block), the sub-chunks
-        first in the sub-chunk kernel's grid (measured: kernels_kda.md)."""
-        return cls(num_stages=2, sub_chunks_first=True)
+        """KDA's per-chunk cotangent kernels (``kda_grads_inter``, ``kda_grads_wy``): two
+        pipeline stages (three would need 240 KiB of shared memory in ``kda_grads_inter``,
+        over the 227 KiB of a block; measured: kernels_kda.md)."""
+        return cls(num_stages=2)
+
+    @classmethod
+    def grads_sub_chunk(cls, K: int) -> "ChunkBlocks":
+        """KDA's backward gated sums in the diagonal blocks (``kda_grads_diagonal_sums``),
+        the sub-chunks first in its grid: one warp over 32 columns a step for its [16, 32]
+        tiles up to K = 128, 4 warps over 64 columns above (measured: kernels_kda.md)."""
+        if K > 128:
+            return cls(num_stages=2, sub_chunks_first=True)
+        return cls(col_block=32, num_warps=1, num_stages=2, sub_chunks_first=True)
 
     @classmethod
     def wy_terms(cls, K: int) -> "ChunkBlocks":

@@ -307,7 +307,7 @@ class _Call(NamedTuple):
     """What the kernel launches of one ``chunk_grads`` call share: the token inputs q, k,
     v, beta and the chunk cumsum G; row_scales, the operands q_rows, k_rows
     (``operand_row_scales``; empty without normalize_qk); the layout and its BlockSpecs;
-    the products; the launch configuration of every kernel but ``kda_grads_gated_sums``."""
+    the products; the launch configuration of ``kda_grads_inter`` and ``kda_grads_wy``."""
     q: jax.Array
     k: jax.Array
     v: jax.Array
@@ -426,23 +426,25 @@ def _launch_across(c: _Call, mq, da, partial: dict, blocks: ChunkBlocks) -> dict
 
 
 def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None,
-                     qk_grads_dtype) -> dict:
+                     qk_grads_dtype, blocks: ChunkBlocks) -> dict:
     """Step 3 within sub-chunks, and Mq's diagonal (``kda_grads_diagonal_sums``), the last
-    kernel: dq, dk leave in qk_grads_dtype."""
+    kernel, with its launch configuration: dq, dk leave in qk_grads_dtype."""
     NT, B, HV, C, _ = c.G.shape
-    ss = sub_chunk_specs(NT, B, HV, C, c.k.shape[1], c.blocks.sub_chunks_first)
+    ss = sub_chunk_specs(NT, B, HV, C, c.k.shape[1], blocks.sub_chunks_first)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
     return _launch_gated_sums(c, _diagonal_kernel, ss.grid, ss, ss.chunk, ss.rows, mq, da,
                               partial, extra=(("mq_flat", ss.square_flat, flat(mq)),
                                               ("da_flat", ss.square_flat, flat(da))),
                               qk_grads_dtype=qk_grads_dtype, name="kda_grads_diagonal_sums",
-                              gate_bound=gate_bound, **c.static())
+                              gate_bound=gate_bound, params=blocks.params(c.interpret),
+                              dots=c.dots, blocks=blocks)
 
 
 def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_new, x, dvn,
                 do, *, gate_bound: float | None = None, normalize_qk: bool = False,
                 interpret: bool = False, precision: KernelPrecision = KernelPrecision(),
-                blocks: ChunkBlocks | None = None, across_blocks: ChunkBlocks | None = None):
+                blocks: ChunkBlocks | None = None, across_blocks: ChunkBlocks | None = None,
+                diagonal_blocks: ChunkBlocks | None = None):
     """Twin of xla.grads.chunk_grads(..., gate=Gate.CHANNEL) (module docstring), but that
     the gate comes as its chunk cumsum G and leaves as dG: (dq, dk, dv, dG, dbeta), dq and
     dk in q's dtype (float32 with normalize_qk), dv in v's, dG and dbeta float32.
@@ -456,9 +458,10 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     and dq, dk are the cotangents of the raw q, k (the normalisation's vjp by XLA).
     precision: precise, every product at precision.products (``products.Fp32Products``),
     else bf16 products.
-    blocks: the launch configuration (``ChunkBlocks.kda_grads`` if None) of every
-    kernel but ``kda_grads_gated_sums``, which runs with across_blocks
-    (``ChunkBlocks.grads_across_sub_chunks`` if None)."""
+    blocks: the launch configuration of ``kda_grads_inter`` and ``kda_grads_wy``
+    (``ChunkBlocks.kda_grads`` if None); across_blocks that of ``kda_grads_gated_sums``
+    (``ChunkBlocks.grads_across_sub_chunks`` if None); diagonal_blocks that of
+    ``kda_grads_diagonal_sums`` (``ChunkBlocks.grads_sub_chunk`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     check_gate_bound(gate_bound)
@@ -475,7 +478,8 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     # dq, dk in q's dtype (no conversion pass after the kernels), but in float32 for the
     # normalisation's vjp by XLA
     qk_grads_dtype = jnp.float32 if normalize_qk else q.dtype
-    sums = _launch_diagonal(c, inter["mq"], wy["da"], sums, gate_bound, qk_grads_dtype)
+    sums = _launch_diagonal(c, inter["mq"], wy["da"], sums, gate_bound, qk_grads_dtype,
+                            diagonal_blocks or ChunkBlocks.grads_sub_chunk(k.shape[-1]))
     dq, dk = sums["dq"], sums["dk"]
     if normalize_qk:
         dq, dk = xla_normalize_vjp(q, dq), xla_normalize_vjp(k, dk)
