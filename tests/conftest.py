@@ -8,6 +8,7 @@ pytest process, its xdist workers and the train.py runs the tests start share on
 persistent compilation cache for the run, every program in it however quick its compile:
 a program that several tests (or processes) compile is compiled once."""
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import chex  # noqa: E402
+import pytest  # noqa: E402
 
 chex.set_n_cpu_devices(8)
 
@@ -32,3 +34,14 @@ LONG_MODULES = ("test_multiprocess.py", "test_train.py", "test_readme.py")
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name not in LONG_MODULES)
+
+
+@pytest.fixture(scope="session")
+def train_script():
+    """scripts/train.py as a module, for the tests that call its functions in this process."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "train.py")
+    spec = importlib.util.spec_from_file_location("train_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script

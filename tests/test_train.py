@@ -1,6 +1,7 @@
 """The training step: CP == no CP on a (2, 2) mesh in float32 and a (1, 4) mesh in bfloat16;
 MQAR data; the train script."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,25 +88,33 @@ def run_train(*args):
     return out
 
 
-def test_train_script_resume_continues_the_trajectory(tmp_path):
-    import json
-    straight = run_train("--steps", "6", "--run-dir", str(tmp_path / "a"))
-    assert straight.returncode == 0, straight.stderr[-2000:]
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """A finished 6-step run: the train script's process and its run dir (a test that
+    changes the run works on a copy)."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    out = run_train("--steps", "6", "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out, run_dir
+
+
+def test_train_script_resume_continues_the_trajectory(straight_run, tmp_path):
+    straight, straight_dir = straight_run
     first = run_train("--steps", "4", "--run-dir", str(tmp_path / "b"))
     assert first.returncode == 0, first.stderr[-2000:]
     resumed = run_train("--steps", "6", "--run-dir", str(tmp_path / "b"), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     end = lambda r: json.loads(r.stdout.strip().splitlines()[-1])
     assert end(straight)["step"] == end(resumed)["step"] == 6
-    np.testing.assert_allclose(end(resumed)["loss"], end(straight)["loss"], rtol=1e-5)
+    chex.assert_trees_all_close(end(resumed)["loss"], end(straight)["loss"], rtol=1e-5)
     summary = end(straight)
     assert summary["timed_steps"] == 5 and summary["step_ms"] > 0
-    np.testing.assert_allclose(summary["tokens_per_s"], 4 * 32 / (summary["step_ms"] / 1e3),
-                               rtol=1e-2)
+    chex.assert_trees_all_close(summary["tokens_per_s"], 4 * 32 / (summary["step_ms"] / 1e3),
+                                rtol=1e-2)
     assert summary["peak_mem_gib"] is None                      # the CPU reports no peak
-    assert json.loads((tmp_path / "a" / "summary.json").read_text()) == summary
-    config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["command"].endswith(f"--steps 6 --run-dir {tmp_path / 'a'}")
+    assert json.loads((straight_dir / "summary.json").read_text()) == summary
+    config = json.loads((straight_dir / "config.json").read_text())
+    assert config["command"].endswith(f"--steps 6 --run-dir {straight_dir}")
     assert (tmp_path / "b" / "curves.png").exists()
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
     again = run_train("--steps", "6", "--run-dir", str(tmp_path / "b"), "--resume")
@@ -133,36 +142,51 @@ def test_train_script_stops_on_a_non_finite_loss(tmp_path):
     (["--eval-every", "-1"], "--eval-every"),
     (["--backend", "triton"], "--backend"),
     (["--data", "/nonexistent/file.txt"], "--data"),
-    (["--head-dim", "48"], "head dim K = 48"),
     (["--layout", "zigzag", "--seq-len", "34", "--mesh", "data=1,seq=2"], "--layout zigzag"),
     (["--mlp-block", "-1"], "--mlp-block"),
     (["--segments", "3"], "--segments"),
     (["--resume", "--overwrite"], "--resume and --overwrite"),
 ])
-def test_train_script_bad_flags(args, message, tmp_path):
-    out = run_train(*args, "--run-dir", str(tmp_path / "run"))
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], out.stderr
+def test_train_script_bad_flags(train_script, args, message, tmp_path, capsys):
+    """Flags refused as they are parsed: one line on stderr, exit 2, nothing written. The
+    script's main() runs in this process (SystemExit is its exit; any other exception, a
+    traceback, fails the test); the flags refused later run the script itself, below."""
+    with pytest.raises(SystemExit) as exit_:
+        train_script.main([*TINY, *args, "--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
     assert not (tmp_path / "run").exists(), "a refused run writes nothing"
 
 
-def test_train_script_keeps_other_runs(tmp_path):
+def test_train_script_refuses_a_head_dim_the_model_does_not_take(tmp_path):
+    """Refused once the model is built, in the script's own process: one line on stderr, no
+    traceback, exit 2, nothing written."""
+    out = run_train("--head-dim", "48", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "head dim K = 48" in lines[0], out.stderr
+    assert not (tmp_path / "run").exists(), "a refused run writes nothing"
+
+
+def test_train_script_keeps_other_runs(straight_run, tmp_path):
     """A run dir holding another run is refused (one line, exit 2) unless --resume continues
     it or --overwrite clears it; --resume on an empty dir fails before writing anything;
     the first lines say that the step compiles and what it needs."""
-    run_dir = str(tmp_path / "run")
-    first = run_train("--steps", "2", "--run-dir", run_dir)
-    assert first.returncode == 0, first.stderr[-2000:]
+    first, finished_dir = straight_run
     assert first.stderr.startswith("compiling the train step")
     assert "GiB per device" in first.stderr.splitlines()[1]
-    again = run_train("--steps", "2", "--run-dir", run_dir)
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_dir, run_dir)
+    again = run_train("--steps", "2", "--run-dir", str(run_dir))
     lines = again.stderr.strip().splitlines()
     assert again.returncode == 2 and len(lines) == 1 and "--overwrite" in lines[0]
-    cleared = run_train("--steps", "3", "--eval-every", "1", "--run-dir", run_dir, "--overwrite")
+    cleared = run_train("--steps", "3", "--eval-every", "1", "--run-dir", str(run_dir),
+                        "--overwrite")
     assert cleared.returncode == 0, cleared.stderr[-2000:]
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
     assert steps == [1, 2, 3]
     empty = run_train("--resume", "--run-dir", str(tmp_path / "empty"))
     assert empty.returncode == 2 and not (tmp_path / "empty").exists()
@@ -237,23 +261,19 @@ def test_block_remat_waits_for_the_cotangent():
     assert barriers("block") == 2 + 2 * 3
 
 
-def test_train_script_names_the_backend_of_each_linear_layer(monkeypatch):
+def test_train_script_names_the_backend_of_each_linear_layer(train_script, monkeypatch):
     """config.json's backend: one name where the GDN and KDA layers run the same backend,
     else one per mixer (a Hopper GPU stood in for by the device's attributes)."""
-    import importlib.util
     from jaxcp import stages
-    spec = importlib.util.spec_from_file_location("train_script", "scripts/train.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16) == "xla"
+    assert train_script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16) == "xla"
 
     class Hopper:
         compute_capability = "9.0"
     monkeypatch.setattr(stages, "gpu_present", lambda: True)
     monkeypatch.setattr(stages.jax, "devices", lambda *a: [Hopper()])
     monkeypatch.setattr(stages.jax, "__version__", "0.11.2")
-    assert (script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16)
+    assert (train_script.linear_backends(None, "gdn,kda,attn", jnp.bfloat16)
             == "mosaic (gdn), pallas (kda)")
-    assert script.linear_backends(None, "gdn,attn", jnp.float32) == "pallas"
-    assert script.linear_backends("pallas", "gdn,kda", jnp.bfloat16) == "pallas"
-    assert script.linear_backends(None, "attn", jnp.bfloat16) == "pallas"
+    assert train_script.linear_backends(None, "gdn,attn", jnp.float32) == "pallas"
+    assert train_script.linear_backends("pallas", "gdn,kda", jnp.bfloat16) == "pallas"
+    assert train_script.linear_backends(None, "attn", jnp.bfloat16) == "pallas"
