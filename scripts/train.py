@@ -162,6 +162,9 @@ def _check_run_dir(ap, args) -> None:
         ap.error("--resume and --overwrite exclude each other")
     if args.resume and not steps:
         ap.error(f"--resume: no checkpoint in {run_dir}/checkpoints")
+    if args.resume and steps[-1] >= args.steps:
+        ap.error(f"--resume: the checkpoint is at step {steps[-1]}, --steps {args.steps} "
+                 "leaves nothing to do")
     earlier = [f for f in ("metrics.jsonl", "summary.json") if os.path.exists(
         os.path.join(run_dir, f))]
     if not args.resume and (steps or earlier) and not args.overwrite:
@@ -348,9 +351,6 @@ def _train(args, ap, argv, env, cluster) -> int:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if args.resume:
         start = ckpt.latest_step()
-        if start >= args.steps:
-            ap.error(f"--resume: the checkpoint is at step {start}, --steps {args.steps} "
-                     "leaves nothing to do")
         state = ckpt.restore(start, args=ocp.args.StandardRestore(
             {"params": params, "opt_state": opt_state}))
         params = replicate(state["params"], mesh)

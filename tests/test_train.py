@@ -98,7 +98,8 @@ def straight_run(tmp_path_factory):
     return out, run_dir
 
 
-def test_train_script_resume_continues_the_trajectory(straight_run, tmp_path):
+def test_train_script_resume_continues_the_trajectory(straight_run, tmp_path, train_script,
+                                                      capsys):
     straight, straight_dir = straight_run
     first = run_train("--steps", "4", "--run-dir", str(tmp_path / "b"))
     assert first.returncode == 0, first.stderr[-2000:]
@@ -117,9 +118,13 @@ def test_train_script_resume_continues_the_trajectory(straight_run, tmp_path):
     assert config["command"].endswith(f"--steps 6 --run-dir {straight_dir}")
     assert (tmp_path / "b" / "curves.png").exists()
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
-    again = run_train("--steps", "6", "--run-dir", str(tmp_path / "b"), "--resume")
-    assert again.returncode == 2 and "Traceback" not in again.stderr
-    assert "nothing to do" in again.stderr.strip().splitlines()[-1]
+    # a resume with no step left is refused before the run dir is touched
+    summary_b = (tmp_path / "b" / "summary.json").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        train_script.main([*TINY, "--steps", "6", "--run-dir", str(tmp_path / "b"), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "nothing to do" in err[0]
+    assert (tmp_path / "b" / "summary.json").read_text() == summary_b
 
 
 def test_train_script_stops_on_a_non_finite_loss(tmp_path):
