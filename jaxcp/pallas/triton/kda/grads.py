@@ -337,9 +337,11 @@ class _Call(NamedTuple):
         add_chunk_rows(ins, sp, self.layout)
         return ins
 
-    def static(self) -> dict:
-        return dict(params=self.blocks.params(self.interpret), dots=self.dots,
-                    blocks=self.blocks)
+    def static(self, blocks: ChunkBlocks | None = None) -> dict:
+        """A kernel's static arguments: the products and its launch configuration, blocks
+        (the call's own if None)."""
+        blocks = blocks or self.blocks
+        return dict(params=blocks.params(self.interpret), dots=self.dots, blocks=blocks)
 
 
 def _f32(struct, like):
@@ -422,7 +424,7 @@ def _launch_across(c: _Call, mq, da, partial: dict, blocks: ChunkBlocks) -> dict
     """Step 3 across sub-chunks (``kda_grads_gated_sums``), with its launch configuration."""
     return _launch_gated_sums(c, _across_kernel, c.G.shape[:3], c.sp, c.sp.tile, c.sp.tile,
                               mq, da, partial, name="kda_grads_gated_sums",
-                              params=blocks.params(c.interpret), dots=c.dots, blocks=blocks)
+                              **c.static(blocks))
 
 
 def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None,
@@ -436,8 +438,7 @@ def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None,
                               partial, extra=(("mq_flat", ss.square_flat, flat(mq)),
                                               ("da_flat", ss.square_flat, flat(da))),
                               qk_grads_dtype=qk_grads_dtype, name="kda_grads_diagonal_sums",
-                              gate_bound=gate_bound, params=blocks.params(c.interpret),
-                              dots=c.dots, blocks=blocks)
+                              gate_bound=gate_bound, **c.static(blocks))
 
 
 def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_new, x, dvn,
