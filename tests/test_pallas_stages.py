@@ -462,19 +462,27 @@ def test_kda_gate_bound_outside_its_range_is_refused(gate_bound):
         kda_intra(args, gate_bound=gate_bound)
 
 
-def test_kda_sub_chunks_first_launch_order():
-    """Under either order of the sub-chunk kernels' grid (sub-chunk first or last, a launch
-    order), the gated sums and the cotangents are the same numbers. Mixed gates, so that
+def test_kda_launch_orders():
+    """Under either order of each kernel's grid (a launch order: the sub-chunk first or
+    last in the sub-chunk kernels, the heads or the chunks first in every kernel), the
+    gated sums, the terms and the cotangents are the same numbers. Mixed gates, so that
     the diagonal kernels go pair by pair on some sub-chunks."""
-    flipped = lambda blocks: replace(blocks, sub_chunks_first=not blocks.sub_chunks_first)
-    (q, k, _, G, beta), layout, _ = kda_in_place(kda_chunks(32, 32, 16, "mixed"))
+    flipped = lambda blocks: replace(blocks, sub_chunks_first=not blocks.sub_chunks_first,
+                                     heads_first=not blocks.heads_first)
+    (q, k, v, G, beta), layout, _ = kda_in_place(kda_chunks(32, 32, 16, "mixed"))
     sums = lambda **kw: pkda_intra.gated_sums(q, k, G, beta, 0.3, layout, interpret=True,
                                                  **kw)
-    for a, b in zip(sums(diagonal_blocks=flipped(ChunkBlocks.sub_chunk())), sums()):
-        np.testing.assert_array_equal(a, b)
+    a, attn = sums()
+    chex.assert_trees_all_equal(
+        sums(blocks=flipped(ChunkBlocks.across_sub_chunks()),
+             diagonal_blocks=flipped(ChunkBlocks.sub_chunk())), (a, attn))
+    terms = lambda **kw: pkda_intra.wy_terms(q, k, v, G, beta, 0.3, layout, a=a,
+                                             with_inverse=True, interpret=True, **kw)
+    chex.assert_trees_all_equal(terms(blocks=flipped(ChunkBlocks.wy_terms(32))), terms())
     args, terms, rest = kda_grads_inputs(32, 32, 16, "mixed")
     want = kda_chunk_grads(args, terms, rest)
-    got = kda_chunk_grads(args, terms, rest,
+    got = kda_chunk_grads(args, terms, rest, blocks=flipped(ChunkBlocks.kda_grads()),
+                          across_blocks=flipped(ChunkBlocks.grads_across_sub_chunks()),
                           diagonal_blocks=flipped(ChunkBlocks.grads_sub_chunk(32)))
     chex.assert_trees_all_equal(got, want)
 

@@ -198,6 +198,22 @@ def chunk_refs(refs, rows: ChunkRows, names: tuple[str, ...]):
                             if getattr(refs, name, None) is not None})
 
 
+def chunk_grid(NT: int, B: int, HV: int, heads_first: bool) -> tuple[int, int, int]:
+    """The grid of one program per (chunk, batch, head) in launch order (Triton's first
+    launch axis varies fastest): (NT, B, HV), or (HV, B, NT) with heads_first, where the
+    programs of one chunk's heads launch side by side and read whole rows of the token
+    tensors [B, T, HV, d] together."""
+    return (HV, B, NT) if heads_first else (NT, B, HV)
+
+
+def chunk_ids(index_map, heads_first: bool):
+    """index_map(t, b, h, *rest) as a function of the program ids of a grid that is
+    ``chunk_grid`` followed by the rest's axes."""
+    if heads_first:
+        return lambda h, b, t, *rest: index_map(t, b, h, *rest)
+    return index_map
+
+
 def program_rows(refs, C: int, chunk_axis: int = 0) -> ChunkRows:
     """The rows of this program's chunk (grid axis chunk_axis) in the token slabs: from the
     refs' token_start, token_count [1, 1] when the layout has a table, else c C on."""
@@ -215,10 +231,13 @@ def loop_rows(refs, C: int, i) -> ChunkRows:
 
 
 class ChunkSpecs(NamedTuple):
-    """BlockSpecs of a grid over (chunk, batch, head): `tile(d)` and `vec` for chunk terms
-    [NT, B, HV, C, d] and [NT, B, HV, C]; `token(d)` for the slab of a token tensor
-    [B, T, HV, d] (d None: [B, T, HV]); `chunk_rows` for the layout's token_start and
-    token_count [NT, B]; `scalar` for [NT, B, HV]."""
+    """A grid of one program per (chunk, batch, head), `grid(NT, B, HV)` in launch order
+    (``chunk_grid``), and its BlockSpecs: `block(*s)` for a per-chunk array [NT, B, HV, *s],
+    `tile(d)` and `vec` for chunk terms [NT, B, HV, C, d] and [NT, B, HV, C]; `token(d)` for
+    the slab of a token tensor [B, T, HV, d] (d None: [B, T, HV]); `chunk_rows` for the
+    layout's token_start and token_count [NT, B]; `scalar` for [NT, B, HV]."""
+    grid: Callable
+    block: Callable
     tile: Callable
     vec: pl.BlockSpec
     token: Callable
@@ -226,13 +245,21 @@ class ChunkSpecs(NamedTuple):
     scalar: pl.BlockSpec
 
 
-def chunk_specs(C: int, T: int) -> ChunkSpecs:
+def chunk_specs(C: int, T: int, heads_first: bool = False) -> ChunkSpecs:
+    at = lambda index_map: chunk_ids(index_map, heads_first)
+
+    def block(*shape):
+        zeros = (0,) * len(shape)
+        return pl.BlockSpec((None, None, None) + shape, at(lambda t, b, h: (t, b, h) + zeros))
+
     return ChunkSpecs(
-        tile=lambda d: pl.BlockSpec((None, None, None, C, d), lambda t, b, h: (t, b, h, 0, 0)),
-        vec=pl.BlockSpec((None, None, None, C), lambda t, b, h: (t, b, h, 0)),
-        token=lambda d: slab_spec(T, d, lambda t, b, h: (b, h, 0)),
-        chunk_rows=pl.BlockSpec((1, 1), lambda t, b, h: (t, b)),
-        scalar=pl.BlockSpec((None, None, None), lambda t, b, h: (t, b, h)),
+        grid=lambda NT, B, HV: chunk_grid(NT, B, HV, heads_first),
+        block=block,
+        tile=lambda d: block(C, d),
+        vec=block(C),
+        token=lambda d: slab_spec(T, d, at(lambda t, b, h: (b, h, 0))),
+        chunk_rows=pl.BlockSpec((1, 1), at(lambda t, b, h: (t, b))),
+        scalar=block(),
     )
 
 

@@ -109,11 +109,14 @@ class StateBlocks:
 class ChunkBlocks:
     """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages;
     sub_chunks_first: KDA's sub-chunk kernels put the sub-chunk first in their grid, so that
-    the programs of one chunk launch next to each other (``kda.sub_chunks.sub_chunk_axis``)."""
+    the programs of one chunk launch next to each other (``kda.sub_chunks.sub_chunk_axis``);
+    heads_first: KDA's kernels launch the heads of a chunk side by side, the chunk last in
+    their grid (``chunk_rows.chunk_grid``)."""
     col_block: int = 64
     num_warps: int = 4
     num_stages: int = 3
     sub_chunks_first: bool = False
+    heads_first: bool = False
 
     @classmethod
     def default(cls, K: int) -> "ChunkBlocks":
@@ -161,6 +164,11 @@ class ChunkBlocks:
         """KDA's forward gated sums in the diagonal blocks (``kda_diagonal_sums``): one
         pipeline stage (measured: kernels_kda.md)."""
         return cls(num_stages=1)
+
+    @property
+    def chunk_axis(self) -> int:
+        """The grid axis of the chunk in a per-chunk kernel's grid (``chunk_rows.chunk_grid``)."""
+        return 2 if self.heads_first else 0
 
     def cols(self, d: int) -> int:
         """Columns per loop step over a width of d."""

@@ -179,7 +179,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     NT, C = layout.chunk_starts.shape[0], chunk_size
     blocks = blocks or ChunkBlocks.default(K)
     sp = chunk_specs(C, T)
-    state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
+    state = sp.block(K, V)
     g_shape = g.shape
     g = g.reshape(B, T, HV)
     kw = dict(params=blocks.params(interpret), dots=make_dots(precision, interpret, rounded=True),

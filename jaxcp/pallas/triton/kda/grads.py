@@ -84,7 +84,7 @@ def _inter_kernel(*refs, names, scale, dots, blocks):
     """Step 1 of the module docstring for one (chunk, head): q, k, G [C, K], do, v_new, dvn
     [C, V], h, x [K, V] -> dq, dk, dw, dG [C, K] and Mq [C, C], float32."""
     r = named(_InterRefs, names, refs)
-    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0], blocks.chunk_axis), _TOKENS)
     C, K = r.k.shape
     V = r.do.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -133,7 +133,7 @@ def _wy_kernel(*refs, names, dots, blocks):
     [C, V], beta [C], T [C, C]; dk, dG [C, K] added to in place (dk_in, dG_in) -> dv
     [C, V] (in its ref's dtype), dbeta [C] and dA [C, C], float32."""
     r = named(_WYRefs, names, refs)
-    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0], blocks.chunk_axis), _TOKENS)
     C, K = r.k.shape
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -186,7 +186,7 @@ def _across_kernel(*refs, names, dots, blocks):
     The sub-chunks are taken last to first, so that the sums of each are complete when its
     own row sums are."""
     r = named(_AcrossRefs, names, refs)
-    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0], blocks.chunk_axis), _TOKENS)
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
@@ -245,7 +245,7 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
     r = named(_DiagonalRefs, names, refs)
     S = SUB_CHUNK
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
-    chunk = program_rows(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
+    chunk = program_rows(r, r.G.shape[0], chunk_axis(blocks))
     r = chunk_refs(in_place(r, chunk, ("q", "k", "beta", "q_rows", "k_rows")),
                    chunk.sub(sc.first, S), ("dq_in", "dk_in", "dbeta_in", "dq", "dk", "dbeta"))
     C, K = r.k.shape
@@ -306,7 +306,7 @@ def _diagonal_kernel(*refs, names, gate_bound, dots, blocks):
 class _Call(NamedTuple):
     """What the kernel launches of one ``chunk_grads`` call share: the token inputs q, k,
     v, beta and the chunk cumsum G; row_scales, the operands q_rows, k_rows
-    (``operand_row_scales``; empty without normalize_qk); the layout and its BlockSpecs;
+    (``operand_row_scales``; empty without normalize_qk); the layout;
     the products; the launch configuration of ``kda_grads_inter`` and ``kda_grads_wy``."""
     q: jax.Array
     k: jax.Array
@@ -315,7 +315,6 @@ class _Call(NamedTuple):
     beta: jax.Array
     row_scales: dict
     layout: object
-    sp: ChunkSpecs
     dots: Dots
     blocks: ChunkBlocks
     interpret: bool
@@ -324,6 +323,12 @@ class _Call(NamedTuple):
     def square(self) -> tuple:
         """The shape of a [C, C] matrix per chunk, [NT, B, HV, C, C]."""
         return self.G.shape[:4] + (self.G.shape[3],)
+
+    def specs(self, blocks: ChunkBlocks | None = None) -> ChunkSpecs:
+        """The BlockSpecs and grid of a per-chunk launch with blocks (the call's own if
+        None)."""
+        heads_first = (blocks or self.blocks).heads_first
+        return chunk_specs(self.G.shape[3], self.k.shape[1], heads_first)
 
     def inputs(self, sp, entries, row_scales: tuple[str, ...] = ("q_rows", "k_rows")):
         """The inputs (name, spec, value) in order, then the row scales named (token slabs
@@ -351,8 +356,8 @@ def _f32(struct, like):
 
 def _launch_inter(c: _Call, do, h, v_new, x, dvn, scale: float) -> dict:
     """Step 1 (``kda_grads_inter``): dq, dk, dw, dG and Mq."""
-    sp, (_, _, _, C, K), V = c.sp, c.G.shape, c.v.shape[-1]
-    state = pl.BlockSpec((None, None, None, K, V), lambda t, b, hd: (t, b, hd, 0, 0))
+    sp, (_, _, _, C, K), V = c.specs(), c.G.shape, c.v.shape[-1]
+    state = sp.block(K, V)
     ins = c.inputs(sp, (("q", sp.token(K), c.q), ("k", sp.token(K), c.k),
                         ("G", sp.tile(K), c.G), ("do", sp.token(V), do), ("h", state, h),
                         ("v_new", sp.tile(V), v_new), ("x", state, x),
@@ -365,14 +370,14 @@ def _launch_inter(c: _Call, do, h, v_new, x, dvn, scale: float) -> dict:
             out.add(name, sp.tile(K), _f32(struct, c.G))
         out.add("mq", sp.tile(C), struct(c.square, jnp.float32))
 
-    return call(_inter_kernel, c.G.shape[:3], ins, outs, name="kda_grads_inter",
+    return call(_inter_kernel, sp.grid(*c.G.shape[:3]), ins, outs, name="kda_grads_inter",
                 scale=scale, **c.static())[0]
 
 
 def _launch_wy(c: _Call, terms: ChunkTerms, dvn, inter: dict) -> dict:
     """Step 2 (``kda_grads_wy``): dv (in v's dtype), dbeta and dA, and inter's dk, dG
     added to in place."""
-    sp, (_, _, _, C, K), V = c.sp, c.G.shape, c.v.shape[-1]
+    sp, (_, _, _, C, K), V = c.specs(), c.G.shape, c.v.shape[-1]
     ins = c.inputs(sp, (("k", sp.token(K), c.k), ("v", sp.token(V), c.v),
                         ("G", sp.tile(K), c.G), ("beta", sp.token(None), c.beta),
                         ("w", sp.tile(K), terms.w), ("u", sp.tile(V), terms.u),
@@ -387,7 +392,7 @@ def _launch_wy(c: _Call, terms: ChunkTerms, dvn, inter: dict) -> dict:
         out.add("dbeta", sp.token(None), _f32(struct, c.beta))
         out.add("da", sp.tile(C), struct(c.square, jnp.float32))
 
-    return call(_wy_kernel, c.G.shape[:3], ins, outs, name="kda_grads_wy",
+    return call(_wy_kernel, sp.grid(*c.G.shape[:3]), ins, outs, name="kda_grads_wy",
                 aliases={"dk_in": "dk", "dG_in": "dG"}, **c.static())[0]
 
 
@@ -422,7 +427,8 @@ def _launch_gated_sums(c: _Call, kernel, grid, sp, whole, own_chunk, mq, da, par
 
 def _launch_across(c: _Call, mq, da, partial: dict, blocks: ChunkBlocks) -> dict:
     """Step 3 across sub-chunks (``kda_grads_gated_sums``), with its launch configuration."""
-    return _launch_gated_sums(c, _across_kernel, c.G.shape[:3], c.sp, c.sp.tile, c.sp.tile,
+    sp = c.specs(blocks)
+    return _launch_gated_sums(c, _across_kernel, sp.grid(*c.G.shape[:3]), sp, sp.tile, sp.tile,
                               mq, da, partial, name="kda_grads_gated_sums",
                               **c.static(blocks))
 
@@ -432,7 +438,7 @@ def _launch_diagonal(c: _Call, mq, da, partial: dict, gate_bound: float | None,
     """Step 3 within sub-chunks, and Mq's diagonal (``kda_grads_diagonal_sums``), the last
     kernel, with its launch configuration: dq, dk leave in qk_grads_dtype."""
     NT, B, HV, C, _ = c.G.shape
-    ss = sub_chunk_specs(NT, B, HV, C, c.k.shape[1], blocks.sub_chunks_first)
+    ss = sub_chunk_specs(NT, B, HV, C, c.k.shape[1], blocks)
     flat = lambda m: m.reshape(NT, B, HV, C * C)
     return _launch_gated_sums(c, _diagonal_kernel, ss.grid, ss, ss.chunk, ss.rows, mq, da,
                               partial, extra=(("mq_flat", ss.square_flat, flat(mq)),
@@ -468,7 +474,6 @@ def chunk_grads(q, k, v, G, beta, scale: float, layout, terms: ChunkTerms, h, v_
     check_gate_bound(gate_bound)
     check_chunk(G.shape[3])
     c = _Call(q, k, v, G, beta, operand_row_scales(q, k, normalize_qk), layout,
-              chunk_specs(G.shape[3], k.shape[1]),
               make_dots(precision, interpret, rounded=True),
               blocks or ChunkBlocks.kda_grads(), interpret)
     inter = _launch_inter(c, do, h, v_new, x, dvn, scale)

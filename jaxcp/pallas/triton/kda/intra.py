@@ -77,7 +77,7 @@ def _across_kernel(*refs, names, scale, gate_bound, dots: Dots, blocks: ChunkBlo
     sub-chunks are loaded where a pair needs them (from L1), which holds fewer registers
     than keeping them."""
     r = named(_AcrossRefs, names, refs)
-    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0], blocks.chunk_axis), _TOKENS)
     C, K = r.k.shape
     S, n = SUB_CHUNK, C // SUB_CHUNK
     bk = blocks.cols(K)
@@ -134,7 +134,7 @@ def _diagonal_kernel(*refs, names, scale, blocks: ChunkBlocks):
     r = named(_DiagonalRefs, names, refs)
     S = SUB_CHUNK
     sc = SubChunk(sub_chunk_axis(blocks.sub_chunks_first))
-    chunk = program_rows(r, r.G.shape[0], chunk_axis(blocks.sub_chunks_first))
+    chunk = program_rows(r, r.G.shape[0], chunk_axis(blocks))
     r = chunk_refs(in_place(r, chunk, ("q", "k", "q_rows", "k_rows")),
                    chunk.sub(sc.first, S), ("beta",))
     K = r.k.shape[1]
@@ -160,7 +160,7 @@ _TermsRefs = refs_type("_TermsRefs", "q k v G beta w u qg kd decay",
 def _terms_kernel(*refs, names, scale, dots: Dots, blocks: ChunkBlocks):
     """T = (I + A)^-1 (or the T given), then w, u, qg, kd, decay of one (chunk, head)."""
     r = named(_TermsRefs, names, refs)
-    r = in_place(r, program_rows(r, r.G.shape[0]), _TOKENS)
+    r = in_place(r, program_rows(r, r.G.shape[0], blocks.chunk_axis), _TOKENS)
     K = r.k.shape[1]
     V = r.v.shape[-1]
     bk, bv = blocks.cols(K), blocks.cols(V)
@@ -203,7 +203,8 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
     B, T, HV, K = k.shape
     NT, C = G.shape[0], G.shape[3]
     check_chunk(C)
-    sp = chunk_specs(C, T)
+    blocks = blocks or ChunkBlocks.across_sub_chunks()
+    sp = chunk_specs(C, T, blocks.heads_first)
     ins = Operands()
     for name, x in (("q", q), ("k", k)):
         ins.add(name, sp.token(K), x)
@@ -218,14 +219,13 @@ def gated_sums(q, k, G, beta, scale: float, layout, *, gate_bound: float | None 
             out.add("attn", spec, struct((NT, B, HV, C, C), precision.tile_dtype))
         return add
 
-    blocks = blocks or ChunkBlocks.across_sub_chunks()
-    res, _ = call(_across_kernel, (NT, B, HV), ins, outs(sp.tile(C)), name="kda_gated_sums",
+    res, _ = call(_across_kernel, sp.grid(NT, B, HV), ins, outs(sp.tile(C)), name="kda_gated_sums",
                   params=blocks.params(interpret), scale=scale, gate_bound=gate_bound,
                   dots=make_dots(precision, interpret), blocks=blocks)
     if gate_bound is not None:
         return res["a"], res["attn"]
     diagonal_blocks = diagonal_blocks or ChunkBlocks.sub_chunk()
-    ssp = sub_chunk_specs(NT, B, HV, C, T, diagonal_blocks.sub_chunks_first)
+    ssp = sub_chunk_specs(NT, B, HV, C, T, diagonal_blocks)
     ins = Operands()
     for name, x in (("q", q), ("k", k)):
         ins.add(name, ssp.token(K), x)
@@ -257,7 +257,7 @@ def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
     V = v.shape[-1]
     check_chunk(C)
     blocks = blocks or ChunkBlocks.wy_terms(K)
-    sp = chunk_specs(C, T)
+    sp = chunk_specs(C, T, blocks.heads_first)
     ins = Operands()
     for name, x, d in (("q", q, K), ("k", k, K), ("v", v, V)):
         ins.add(name, sp.token(d), x)
@@ -269,7 +269,7 @@ def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
         ins.add("a", sp.tile(C), a)
     else:
         ins.add("inv_in", sp.tile(C), inv)
-    per_channel = pl.BlockSpec((None, None, None, K), lambda t, b, h: (t, b, h, 0))
+    per_channel = sp.block(K)
 
     def outs(out, struct):
         terms = lambda *s: struct((NT, B, HV) + s, jnp.float32)
@@ -282,7 +282,7 @@ def wy_terms(q, k, v, G, beta, scale: float, layout, *, a=None, inv=None,
         if with_inverse and a is not None:
             out.add("inv", sp.tile(C), terms(C, C))
 
-    res, _ = call(_terms_kernel, (NT, B, HV), ins, outs, name="kda_wy_terms",
+    res, _ = call(_terms_kernel, sp.grid(NT, B, HV), ins, outs, name="kda_wy_terms",
                   params=blocks.params(interpret), scale=scale,
                   dots=make_dots(precision, interpret), blocks=blocks)
     return ChunkTerms(w=res["w"], u=res["u"], qg=res["qg"], kd=res["kd"], decay=res["decay"],

@@ -7,7 +7,8 @@ from typing import Callable, NamedTuple
 
 from jax.experimental import pallas as pl
 
-from jaxcp.pallas.triton.common.chunk_rows import slab_spec
+from jaxcp.pallas.triton.common.chunk_rows import chunk_grid, chunk_ids, slab_spec
+from jaxcp.pallas.triton.common.launch import ChunkBlocks
 from jaxcp.pallas.triton.common.tiles import f32, iota
 
 SUB_CHUNK = 16
@@ -35,31 +36,33 @@ class SubChunkSpecs(NamedTuple):
 
 
 def sub_chunk_axis(sub_chunks_first: bool) -> int:
-    """The grid axis of the sub-chunk: 0 (sub_chunks_first) or 3 (after chunk, batch,
-    head). Triton's first launch axis varies fastest, and Pallas folds the leading grid axes
-    into it, the first of them fastest: with the sub-chunk first, the programs of one chunk
-    launch next to each other and share the chunk's rows in L2; last, they launch
-    NT * B * HV programs apart."""
+    """The grid axis of the sub-chunk: 0 (sub_chunks_first) or 3 (after chunk, batch and
+    head in ``chunk_rows.chunk_grid``'s order). Triton's first launch axis varies fastest,
+    and Pallas folds the leading grid axes into it, the first of them fastest: with the
+    sub-chunk first, the programs of one chunk launch next to each other and share the
+    chunk's rows in L2; last, they launch NT * B * HV programs apart."""
     return 0 if sub_chunks_first else 3
 
 
-def chunk_axis(sub_chunks_first: bool) -> int:
-    """The grid axis of the chunk in a sub-chunk kernel's grid (``sub_chunk_axis``)."""
-    return 1 if sub_chunks_first else 0
+def chunk_axis(blocks: ChunkBlocks) -> int:
+    """The grid axis of the chunk in a sub-chunk kernel's grid (``sub_chunk_specs``)."""
+    return (1 if blocks.sub_chunks_first else 0) + blocks.chunk_axis
 
 
 def sub_chunk_specs(NT: int, B: int, HV: int, C: int, T: int,
-                    sub_chunks_first: bool) -> SubChunkSpecs:
+                    blocks: ChunkBlocks) -> SubChunkSpecs:
+    """The grid and BlockSpecs of a sub-chunk kernel launched with blocks
+    (``ChunkBlocks.sub_chunks_first``, ``heads_first``)."""
     S = SUB_CHUNK
-    grid = (NT, B, HV, C // S)
-    if sub_chunks_first:
-        grid = (C // S, NT, B, HV)
+    chunks = chunk_grid(NT, B, HV, blocks.heads_first)
+    at_chunk = lambda index_map: chunk_ids(index_map, blocks.heads_first)
+    grid = (C // S,) + chunks if blocks.sub_chunks_first else chunks + (C // S,)
 
     def at(index_map):
         """index_map(t, b, h, s) as a function of the program ids in grid order."""
-        if sub_chunks_first:
-            return lambda s, t, b, h: index_map(t, b, h, s)
-        return index_map
+        if blocks.sub_chunks_first:
+            return lambda s, *ids: at_chunk(lambda t, b, h: index_map(t, b, h, s))(*ids)
+        return at_chunk(index_map)
 
     return SubChunkSpecs(
         grid=grid,
