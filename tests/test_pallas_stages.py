@@ -476,9 +476,9 @@ def test_kda_launch_orders():
     chex.assert_trees_all_equal(
         sums(blocks=flipped(ChunkBlocks.across_sub_chunks()),
              diagonal_blocks=flipped(ChunkBlocks.sub_chunk())), (a, attn))
-    terms = lambda **kw: pkda_intra.wy_terms(q, k, v, G, beta, 0.3, layout, a=a,
-                                             with_inverse=True, interpret=True, **kw)
-    chex.assert_trees_all_equal(terms(blocks=flipped(ChunkBlocks.wy_terms(32))), terms())
+    wy = lambda **kw: pkda_intra.wy_terms(q, k, v, G, beta, 0.3, layout, a=a,
+                                          with_inverse=True, interpret=True, **kw)
+    chex.assert_trees_all_equal(wy(blocks=flipped(ChunkBlocks.wy_terms(32))), wy())
     args, terms, rest = kda_grads_inputs(32, 32, 16, "mixed")
     want = kda_chunk_grads(args, terms, rest)
     got = kda_chunk_grads(args, terms, rest, blocks=flipped(ChunkBlocks.kda_grads()),

@@ -206,6 +206,11 @@ def chunk_grid(NT: int, B: int, HV: int, heads_first: bool) -> tuple[int, int, i
     return (HV, B, NT) if heads_first else (NT, B, HV)
 
 
+def chunk_grid_axis(heads_first: bool) -> int:
+    """The axis of the chunk in ``chunk_grid``."""
+    return 2 if heads_first else 0
+
+
 def chunk_ids(index_map, heads_first: bool):
     """index_map(t, b, h, *rest) as a function of the program ids of a grid that is
     ``chunk_grid`` followed by the rest's axes."""

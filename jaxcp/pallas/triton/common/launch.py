@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from jax.experimental.pallas import triton as pltriton
 
+from jaxcp.pallas.triton.common.chunk_rows import chunk_grid_axis
+
 
 def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
     if interpret:
@@ -168,7 +170,7 @@ class ChunkBlocks:
     @property
     def chunk_axis(self) -> int:
         """The grid axis of the chunk in a per-chunk kernel's grid (``chunk_rows.chunk_grid``)."""
-        return 2 if self.heads_first else 0
+        return chunk_grid_axis(self.heads_first)
 
     def cols(self, d: int) -> int:
         """Columns per loop step over a width of d."""
