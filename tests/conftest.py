@@ -24,6 +24,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import chex  # noqa: E402
 import pytest  # noqa: E402
+# The first Pallas call in interpret mode imports this module, which adds a flag to JAX's
+# tracing context: every jitted function traced before it would be traced and compiled again.
+import jax.experimental.pallas.fuser  # noqa: E402,F401
 
 chex.set_n_cpu_devices(8)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import chex
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,38 @@ def value_and_grads(fn, args, wo, wf, **kw):
     out = fn(*args[:5], initial_state=args[5], output_final_state=True, **kw)
     grads = jax.grad(loss_of(fn, wo, wf, **kw), argnums=tuple(range(6)))(*args)
     return out, grads
+
+
+def assert_sequences_isolated(kind: str, run, args, cu_seqlens, clean) -> None:
+    """A NaN in v at the last token of the sequence before the longest one and a NaN (KDA)
+    or -inf (GDN) gate at the first token of the sequence after it reach nothing of the
+    longest one, which the layouts of the tests spread over several devices (or segments):
+    its o, final state and every gradient stay finite and equal the clean run's (a sequence
+    start selects, never multiplies by zero: ``cp.merge``). And the poison took: the earlier
+    sequence's o and the later one's gradients are not finite.
+
+    run: the jitted (q, k, v, g, beta, h0) -> ((o, final state), (dq, dk, dv, dg, dbeta,
+    dh0)) that gave `clean`; it runs again on the same shapes, so nothing compiles."""
+    starts = np.asarray(cu_seqlens)
+    n = int(np.argmax(np.diff(starts)))
+    assert 0 < n < len(starts) - 2, f"the longest sequence of {starts} needs neighbours"
+    a_last, c_first = int(starts[n]) - 1, int(starts[n + 1])
+    q, k, v, g, beta, h0 = args
+    g_poison = -jnp.inf if kind == "gdn" else jnp.nan
+    poisoned = run(q, k, v.at[:, a_last].set(jnp.nan), g.at[:, c_first].set(g_poison), beta,
+                   h0)
+
+    def sequence(result):
+        (o, final), (dq, dk, dv, dg, dbeta, dh0) = result
+        tokens = slice(int(starts[n]), int(starts[n + 1]))
+        return (o[:, tokens], final[n], *(x[:, tokens] for x in (dq, dk, dv, dg, dbeta)),
+                dh0[n])
+
+    chex.assert_tree_all_finite(sequence(poisoned))
+    chex.assert_trees_all_close(sequence(poisoned), sequence(clean), rtol=1e-6, atol=1e-6)
+    (o, _), (dq, *_) = poisoned
+    assert not np.isfinite(np.asarray(o[:, a_last], np.float32)).all(), "the NaN in v took"
+    assert not np.isfinite(np.asarray(dq[:, c_first], np.float32)).all(), "the gate took"
 
 
 def cp_call(op, mesh, axis: str, *, check_vma: bool = True, cp_layout: str = "contiguous",

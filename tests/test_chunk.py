@@ -9,7 +9,8 @@ import jaxcp
 from jaxcp.gate import Gate
 from jaxcp.pallas.triton.common import l2norm as l2norm_kernels
 from jaxcp.stages import IMPLEMENTATIONS
-from helpers import OPS, TOL, assert_rel, cotangents, make_inputs, value_and_grads
+from helpers import (OPS, TOL, assert_rel, assert_sequences_isolated, cotangents, make_inputs,
+                     value_and_grads)
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -23,10 +24,14 @@ SHAPES = [
 
 
 def check_against_reference(kind, args, dtype, **kw):
+    """The op (kw: its arguments) against the token reference in float32: o, final state and
+    every gradient, to the dtype's tolerance. Three packed sequences or more: a NaN in one
+    reaches no other (``assert_sequences_isolated``)."""
     op, ref = OPS[kind]
     B, T, HV, V = args[2].shape
     wo, wf = cotangents((B, T, HV, V), args[5].shape)
-    (o, final), grads = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, **kw))(*args)
+    run = jax.jit(lambda *a: value_and_grads(op, a, wo, wf, **kw))
+    (o, final), grads = clean = run(*args)
     ref_args = tuple(x.astype(jnp.float32) for x in args)
     ref_kw = {k: v for k, v in kw.items() if k not in ("chunk_size", "backend")}
     (o_ref, final_ref), grads_ref = jax.jit(
@@ -38,6 +43,9 @@ def check_against_reference(kind, args, dtype, **kw):
     for name, gr, gr_ref in zip(GRAD_NAMES, grads, grads_ref):
         assert gr.shape == gr_ref.shape
         assert_rel(gr, gr_ref, tol, name)
+    cu = kw.get("cu_seqlens")
+    if cu is not None and len(cu) > 3:          # three sequences or more
+        assert_sequences_isolated(kind, run, args, cu, clean)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])

@@ -6,26 +6,32 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from helpers import OPS, assert_rel, cotangents, make_inputs, value_and_grads
+from helpers import (OPS, assert_rel, assert_sequences_isolated, cotangents, make_inputs,
+                     value_and_grads)
 from jaxcp.cp.segments import choose_segments
 from jaxcp.gate import Gate
 from test_cp import GRAD_NAMES, compare
 
 # 96 tokens in 3 segments of 32 (2 chunks of 16): a 1-token sequence, a start exactly on a
-# segment boundary (32), sequences across one and two segment boundaries
-CU = [0, 1, 32, 40, 96]
+# segment boundary (32), a sequence across the other boundary (64) between two neighbours
+CU = [0, 1, 32, 40, 90, 96]
 
 
 def _split_and_unsplit(kind, args, segments, backend, cu_seqlens=None):
     """(o, final state) and gradients of the op in `segments` and in one, and of the
-    reference; chunks of 16 tokens."""
+    reference; chunks of 16 tokens. Packed: a NaN in one sequence reaches no other through
+    the segments' merge (``assert_sequences_isolated``)."""
     op, ref = OPS[kind]
     B, T, HV, V = args[2].shape
     wo, wf = cotangents((B, T, HV, V), args[5].shape)
     kw = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-    run = lambda f, **k: jax.jit(lambda *a: value_and_grads(f, a, wo, wf, **kw, **k))(*args)
-    split = lambda n: run(op, segments=n, backend=backend, chunk_size=16)
-    return split(segments), split(1), run(ref)
+    jitted = lambda f, **k: jax.jit(lambda *a: value_and_grads(f, a, wo, wf, **kw, **k))
+    split = jitted(op, segments=segments, backend=backend, chunk_size=16)
+    unsplit = jitted(op, segments=1, backend=backend, chunk_size=16)
+    results = split(*args), unsplit(*args), jitted(ref)(*args)
+    if cu_seqlens is not None:
+        assert_sequences_isolated(kind, split, args, cu_seqlens, results[0])
+    return results
 
 
 def _check(split, unsplit, reference):
