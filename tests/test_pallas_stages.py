@@ -633,6 +633,27 @@ def test_kda_normalize_qk_in_kernels():
         assert_rel(a, b, 1e-5, name)
 
 
+def test_gdn_launch_orders():
+    """GDN's per-chunk kernels give the same terms, the same recomputed w and u and the same
+    cotangents with the chunk first or last in their grid (``ChunkBlocks.heads_first``),
+    packed sequences included."""
+    C, K, V = 16, 32, 16
+    args, rest, do, layout, _, _ = grads_inputs(70, C, LAYOUTS["packed"][1], K, V, 2)
+    args = (args[0], args[1] / 6) + args[2:]
+    flipped = replace(ChunkBlocks.gdn(K), heads_first=not ChunkBlocks.gdn(K).heads_first)
+
+    def run(blocks):
+        terms = pgdn_intra.intra_chunk(*args, 0.25, layout, C, with_inverse=True,
+                                       interpret=True, blocks=blocks)
+        again = pgdn_intra.recompute_w_u(*args, layout, C, pgdn_intra.kept_for_w_u(terms),
+                                         interpret=True, blocks=blocks)
+        grads = pgdn_grads.chunk_grads(*args, 0.25, layout, C, terms, *rest, do,
+                                       interpret=True, blocks=blocks)
+        return terms, again, grads
+
+    chex.assert_trees_all_equal(run(flipped), run(None))
+
+
 def grads_inputs(T, C, cu, K, V, seed):
     """Token tensors (q, k, v, g [..., 1], beta), random chunk-layout h, v_new, X, dvn and a
     token-major do, with the layout and its conversions."""

@@ -313,7 +313,7 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
     gated sums (their two kernels apart) and the cotangent kernels (the per-chunk pair, the
     kernel across sub-chunks, the diagonal one apart) under ``ChunkBlocks`` (columns per
     block, warps, pipeline stages, the sub-chunk kernels' launch order, every kernel with
-    the heads of a chunk launched side by side),
+    the chunk first in its grid),
     with 3xTF32 or 3xBF16 products in place of the shipped TF32, and with safe_gate's gate
     bound; the state recurrences under ``StateBlocks``, at 3xTF32 or 3xBF16, with TF32
     products where scaled float16 ones ship (and the other way for state_fwd), and reading
@@ -350,17 +350,17 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         *a, scale, layout, precision=fast, blocks=blocks, diagonal_blocks=diagonal_blocks,
         interpret=interpret)
     variant("gated sums as shipped", sums(), q, k, G, beta)
-    # every per-chunk kernel with the heads of a chunk launched side by side
-    heads_first = lambda blocks: replace(blocks, heads_first=True)
-    variant("gated sums heads first", sums(blocks=heads_first(ChunkBlocks.across_sub_chunks()),
-                                           diagonal_blocks=heads_first(ChunkBlocks.sub_chunk())),
+    # every per-chunk kernel with the chunk first in its grid (the heads of a chunk apart)
+    chunk_first = lambda blocks: replace(blocks, heads_first=False)
+    variant("gated sums chunk first", sums(blocks=chunk_first(ChunkBlocks.across_sub_chunks()),
+                                           diagonal_blocks=chunk_first(ChunkBlocks.sub_chunk())),
             q, k, G, beta)
-    wy_heads_first = heads_first(ChunkBlocks.wy_terms(q.shape[-1]))
-    variant("intra, wy_terms heads first", lambda *a: kda_intra.intra_chunk(
-        *a, scale, layout, blocks=wy_heads_first,
+    wy_chunk_first = chunk_first(ChunkBlocks.wy_terms(q.shape[-1]))
+    variant("intra, wy_terms chunk first", lambda *a: kda_intra.intra_chunk(
+        *a, scale, layout, blocks=wy_chunk_first,
         precision=replace(fast, tile_dtype=terms.w.dtype), interpret=interpret), *xs)
-    variant("intra_again heads first", lambda *a: kda_intra.recompute_terms(
-        *a, scale, layout, kda_intra.kept_for_terms(terms), blocks=wy_heads_first,
+    variant("intra_again chunk first", lambda *a: kda_intra.recompute_terms(
+        *a, scale, layout, kda_intra.kept_for_terms(terms), blocks=wy_chunk_first,
         precision=replace(fast, tile_dtype=terms.w.dtype), interpret=interpret), *xs)
     for how, b in [chunk_blocks(*c) for c in ((16, 1, 1), (16, 1, 3), (16, 2, 2), (32, 1, 1),
                                                (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 2),
@@ -409,10 +409,10 @@ def _kda_variants(timed_variant, xs, raw, bounded, terms, h, vn, x, dvn, do, lay
         variant(f"chunk_grads diagonal {how}", grads(diagonal_blocks=b), *grads_inputs)
     for how, p in other_products:
         variant(f"chunk_grads {how}", grads(p=p), *grads_inputs)
-    variant("chunk_grads heads first", grads(
-        blocks=heads_first(ChunkBlocks.kda_grads()),
-        across_blocks=heads_first(ChunkBlocks.grads_across_sub_chunks()),
-        diagonal_blocks=heads_first(ChunkBlocks.grads_sub_chunk(q.shape[-1]))), *grads_inputs)
+    variant("chunk_grads chunk first", grads(
+        blocks=chunk_first(ChunkBlocks.kda_grads()),
+        across_blocks=chunk_first(ChunkBlocks.grads_across_sub_chunks()),
+        diagonal_blocks=chunk_first(ChunkBlocks.grads_sub_chunk(q.shape[-1]))), *grads_inputs)
     # the norm in the kernels: raw bf16 q, k, v, q, k normalised as read
     normed_kw = dict(normalize_qk=True, interpret=interpret)
     raw_xs = (*raw, *xs[3:])

@@ -112,18 +112,26 @@ class ChunkBlocks:
     """col_block: K and V columns per step of the kernels' loops; num_warps; num_stages;
     sub_chunks_first: KDA's sub-chunk kernels put the sub-chunk first in their grid, so that
     the programs of one chunk launch next to each other (``kda.sub_chunks.sub_chunk_axis``);
-    heads_first: KDA's kernels launch the heads of a chunk side by side, the chunk last in
-    their grid (``chunk_rows.chunk_grid``)."""
+    heads_first: the per-chunk kernels launch the heads of a chunk side by side, the chunk
+    last in their grid (``chunk_rows.chunk_grid``), so that programs running together read
+    neighbouring rows of the token tensors (measured: kernels_kda.md)."""
     col_block: int = 64
     num_warps: int = 4
     num_stages: int = 3
     sub_chunks_first: bool = False
-    heads_first: bool = False
+    heads_first: bool = True
 
     @classmethod
     def default(cls, K: int) -> "ChunkBlocks":
         """Blocks of 64 columns (at K = 256 whole tiles would not fit in registers)."""
         return cls()
+
+    @classmethod
+    def gdn(cls, K: int) -> "ChunkBlocks":
+        """GDN's per-chunk kernels (``gdn.intra``, ``gdn.grads``): ``default``, but the chunk
+        first in the grid up to K = 128, where the heads first made the op's
+        forward+backward slower (measured: kernels.md)."""
+        return cls(heads_first=K > 128)
 
     @classmethod
     def kda_grads(cls) -> "ChunkBlocks":

@@ -62,7 +62,7 @@ _InterRefs = refs_type("_InterRefs", "q k g do attn h v_new x dvn dq dk1 dw dg1"
 def _inter_kernel(*refs, names, scale, dots, normalize, blocks, C):
     """Step 1: dq, the partial dk, dw and the partial dG of one (chunk, head)."""
     r = named(_InterRefs, names, refs)
-    rows = program_rows(r, C)
+    rows = program_rows(r, C, blocks.chunk_axis)
     q, k, do, dq_out, dk_out = (ChunkRef(ref, rows) for ref in (r.q, r.k, r.do, r.dq, r.dk1))
     vn, dvn = ChunkRef(r.v_new), ChunkRef(r.dvn)
     gates = scalar_gates(ChunkRef(r.g, rows).all().astype(jnp.float32))
@@ -112,7 +112,7 @@ _WYRefs = refs_type("_WYRefs", "k v g beta dk1 w u inv dvn dw dg1 dk dv dg dbeta
 def _wy_kernel(*refs, names, dots, normalize, blocks, C):
     """Step 2: the WY backward of one (chunk, head); dk1 and dk are one buffer."""
     r = named(_WYRefs, names, refs)
-    rows = program_rows(r, C)
+    rows = program_rows(r, C, blocks.chunk_axis)
     k, v, dk1, dk_out, dv = (ChunkRef(ref, rows) for ref in (r.k, r.v, r.dk1, r.dk, r.dv))
     w, u, dvn, dw = ChunkRef(r.w), ChunkRef(r.u), ChunkRef(r.dvn), ChunkRef(r.dw)
     g = ChunkRef(r.g, rows).all().astype(jnp.float32)
@@ -171,14 +171,14 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     those of their L2-normalised rows (``intra_chunk(normalize_qk=True)``); dq, dk are then
     the cotangents of the raw q, k (the normalisation's vjp is applied in the kernels).
     precision: the products (``products.dots``, rounded: gradients). blocks: the launch
-    configuration (``ChunkBlocks.default`` if None)."""
+    configuration (``ChunkBlocks.gdn`` if None)."""
     if terms.inv is None:
         raise ValueError("terms: chunk_grads needs terms.inv, from intra_chunk(with_inverse=True)")
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    blocks = blocks or ChunkBlocks.default(K)
-    sp = chunk_specs(C, T)
+    blocks = blocks or ChunkBlocks.gdn(K)
+    sp = chunk_specs(C, T, blocks.heads_first)
     state = sp.block(K, V)
     g_shape = g.shape
     g = g.reshape(B, T, HV)
@@ -201,7 +201,7 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         out.add("dw", sp.tile(K), struct(terms.w.shape, q.dtype))
         out.add("dg1", sp.vec, struct(terms.attn.shape[:-1], jnp.float32))
 
-    step1, _ = call(_inter_kernel, (NT, B, HV), inter, inter_outs, name="gdn_grads_inter",
+    step1, _ = call(_inter_kernel, sp.grid(NT, B, HV), inter, inter_outs, name="gdn_grads_inter",
                     scale=scale, **kw)
 
     wy = Operands()
@@ -220,6 +220,6 @@ def chunk_grads(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         out.add("dg", sp.token(None), struct(g.shape, g.dtype))
         out.add("dbeta", sp.token(None), struct(beta.shape, beta.dtype))
 
-    step2, _ = call(_wy_kernel, (NT, B, HV), wy, wy_outs, name="gdn_grads_wy",
+    step2, _ = call(_wy_kernel, sp.grid(NT, B, HV), wy, wy_outs, name="gdn_grads_wy",
                     aliases={"dk1": "dk"}, **kw)
     return step1["dq"], step2["dk"], step2["dv"], step2["dg"].reshape(g_shape), step2["dbeta"]

@@ -59,7 +59,7 @@ _IntraRefs = refs_type("_IntraRefs", "q k v g beta w u attn q_rows k_rows decay"
 
 def _intra_kernel(*refs, names, scale, dots, normalize, blocks, C):
     r = named(_IntraRefs, names, refs)
-    rows = program_rows(r, C)
+    rows = program_rows(r, C, blocks.chunk_axis)
     # q, k, v read loose (``chunk_rows``): past the tokens, beta and the row factors
     # rq, rk are zero, so those rows drop out of A, w, u and attn (whose rows there are zero)
     q, k, v = (ChunkRef(ref, rows, loose=True) for ref in (r.q, r.k, r.v))
@@ -97,7 +97,7 @@ _WURefs = refs_type("_WURefs", "k v g beta inv w u k_rows decay",
 def _w_u_kernel(*refs, names, dots, normalize, blocks, C):
     """w, u, k_rows and decay of one chunk from its kept inverse T (see ``recompute_w_u``)."""
     r = named(_WURefs, names, refs)
-    rows = program_rows(r, C)
+    rows = program_rows(r, C, blocks.chunk_axis)
     k, v = ChunkRef(r.k, rows), ChunkRef(r.v, rows)
     gates = scalar_gates(ChunkRef(r.g, rows).all().astype(jnp.float32))
     beta = ChunkRef(r.beta, rows).all().astype(jnp.float32)
@@ -136,12 +136,12 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
     (decay and the row factors stay float32); w and u are products of the inverse rounded
     to it, so that ``recompute_w_u`` gives the same w and u from the stored inverse.
     normalize_qk: the terms of l2_normalize(q), l2_normalize(k) (the kernel scales rows).
-    blocks: the launch configuration (``ChunkBlocks.default`` if None)."""
+    blocks: the launch configuration (``ChunkBlocks.gdn`` if None)."""
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    blocks = blocks or ChunkBlocks.default(K)
-    sp = chunk_specs(C, T)
+    blocks = blocks or ChunkBlocks.gdn(K)
+    sp = chunk_specs(C, T, blocks.heads_first)
     ins = _token_inputs(sp, layout, (("q", q, K), ("k", k, K), ("v", v, V),
                                      ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
 
@@ -156,7 +156,7 @@ def intra_chunk(q, k, v, g, beta, scale: float, layout: ChunkLayout, chunk_size:
         if with_inverse:
             out.add("inv", sp.tile(C), terms(C, C))
 
-    res, args = call(_intra_kernel, (NT, B, HV), ins, outs, name="gdn_intra_chunk",
+    res, args = call(_intra_kernel, sp.grid(NT, B, HV), ins, outs, name="gdn_intra_chunk",
                      params=blocks.params(interpret), scale=scale,
                      dots=make_dots(precision, interpret), normalize=normalize_qk,
                      blocks=blocks, C=C)
@@ -188,8 +188,8 @@ def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: 
     B, T, HV, K = k.shape
     V = v.shape[-1]
     NT, C = layout.chunk_starts.shape[0], chunk_size
-    blocks = blocks or ChunkBlocks.default(K)
-    sp = chunk_specs(C, T)
+    blocks = blocks or ChunkBlocks.gdn(K)
+    sp = chunk_specs(C, T, blocks.heads_first)
     ins = _token_inputs(sp, layout, (("k", k, K), ("v", v, V),
                                      ("g", g.reshape(B, T, HV), None), ("beta", beta, None)))
     ins.add("inv", sp.tile(C), kept.inv)
@@ -201,7 +201,7 @@ def recompute_w_u(q, k, v, g, beta, layout: ChunkLayout, chunk_size: int, kept: 
         out.add("k_rows", sp.vec, terms(C, dtype=jnp.float32))
         out.add("decay", sp.scalar, terms(dtype=jnp.float32))
 
-    res, args = call(_w_u_kernel, (NT, B, HV), ins, outs, name="gdn_recompute_w_u",
+    res, args = call(_w_u_kernel, sp.grid(NT, B, HV), ins, outs, name="gdn_recompute_w_u",
                      params=blocks.params(interpret), dots=make_dots(precision, interpret),
                      normalize=normalize_qk, blocks=blocks, C=C)
     return kept._replace(w=res["w"], u=res["u"], qg=q, kd=args[ins.index("k")],
