@@ -6,7 +6,11 @@ more again at the default, 2; the float32 results the tests check stay inside th
 bounds at levels 0 and 1), and the
 pytest process, its xdist workers and the train.py runs the tests start share one
 persistent compilation cache for the run, every program in it however quick its compile:
-a program that several tests (or processes) compile is compiled once."""
+a program that several tests (or processes) compile is compiled once.
+
+XLA's CPU triangular solves call LAPACK (scipy's OpenBLAS), whose worker threads wait by
+spinning: with 8 devices each solving at once on 2 cores the spinning threads held the
+cores, and an 8-device CP step took 4x as long as with one OpenBLAS thread per call."""
 import atexit
 import importlib.util
 import os
@@ -21,6 +25,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxcp-tests-jit-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import chex  # noqa: E402
 import pytest  # noqa: E402
