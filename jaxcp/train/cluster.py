@@ -63,9 +63,12 @@ def start(cluster: Cluster, devices_per_process: int | None) -> None:
     """Set up this process's devices and, for several processes, initialise
     jax.distributed. devices_per_process: on CPU-only machines, the CPU devices this process
     creates (None: the machine has GPUs). Must run before any JAX call that touches a
-    device."""
+    device. The fake CPU devices run their steps side by side, each calling LAPACK for its
+    triangular solves: one OpenBLAS thread per call (unless OPENBLAS_NUM_THREADS says
+    otherwise), as its idle threads spin and would hold the cores the other devices need."""
     import jax
     if devices_per_process is not None:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices_per_process)
         if cluster.distributed:
