@@ -640,7 +640,8 @@ def test_gdn_launch_orders():
     C, K, V = 16, 32, 16
     args, rest, do, layout, _, _ = grads_inputs(70, C, LAYOUTS["packed"][1], K, V, 2)
     args = (args[0], args[1] / 6) + args[2:]
-    flipped = replace(ChunkBlocks.gdn(K), heads_first=not ChunkBlocks.gdn(K).heads_first)
+    shipped = ChunkBlocks.gdn(K)
+    flipped = replace(shipped, heads_first=not shipped.heads_first)
 
     def run(blocks):
         terms = pgdn_intra.intra_chunk(*args, 0.25, layout, C, with_inverse=True,
